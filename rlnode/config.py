@@ -1,0 +1,215 @@
+"""Typed configuration: one msgspec Struct per role, loaded from TOML.
+
+Owns: the schema of every knob, its default, its bounds, and the one place
+where a config is validated (``load_config``). Must not import torch or vllm:
+the CLI validates a config before anything heavy is loaded.
+
+Errors name the dotted key path and what was expected, e.g.
+``actor.router.llm_max_rollouts: expected int >= 1, got 0``.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta, Struct, field
+
+PositiveInt = Annotated[int, Meta(ge=1)]
+NonNegInt = Annotated[int, Meta(ge=0)]
+PositiveFloat = Annotated[float, Meta(gt=0)]
+Fraction = Annotated[float, Meta(gt=0, le=1)]
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message names the key."""
+
+
+class _Section(Struct, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+class ModelConfig(_Section):
+    # Local directory of a Hugging Face model (config.json, weights, tokenizer).
+    # Nothing is downloaded at run time: this must exist on every node.
+    path: str = "runs/tiny-model"
+    # Tokenizer directory; empty means the model directory.
+    tokenizer: str = ""
+    # Weights/activation dtype for engine and trainer. "float32" keeps logprob
+    # parity exact on CPU ("auto" becomes bf16 on CPU in vLLM).
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
+    # Longest sequence (prompt + completion) in tokens an engine accepts.
+    max_model_len: Annotated[int, Meta(ge=16)] = 2048
+
+
+class EngineConfig(_Section):
+    # Where the engines run: "auto" = cuda when torch sees a GPU, else cpu.
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    # Engines on this node (one vLLM AsyncLLM each). On GPU nodes each engine
+    # takes `tensor_parallel_size` consecutive GPUs.
+    num_engines: PositiveInt = 1
+    # GPUs per engine (tensor parallelism). CPU hosts: must be 1.
+    tensor_parallel_size: PositiveInt = 1
+    # GPU hosts: share of GPU memory vLLM may take, (0, 1].
+    gpu_memory_utilization: Fraction = 0.85
+    # CPU hosts: KV-cache size in GiB (VLLM_CPU_KVCACHE_SPACE). Without it vLLM
+    # reserves ~90% of RAM.
+    cpu_kv_cache_gib: PositiveInt = 1
+    # CPU hosts: OpenMP thread binding (VLLM_CPU_OMP_THREADS_BIND). "nobind"
+    # was ~8x faster than binding on 2-core hosts.
+    cpu_omp_threads_bind: str = "nobind"
+    # Disable CUDA graphs / torch.compile: faster start, slower decode.
+    enforce_eager: bool = False
+    # Let vLLM reuse KV cache across turns of an episode (prefix caching).
+    enable_prefix_caching: bool = True
+    # Max sequences one engine schedules per step (vLLM max_num_seqs).
+    max_num_seqs: PositiveInt = 256
+    # Base seed for the engines' samplers (engine i uses seed + i).
+    seed: NonNegInt = 0
+
+
+class RouterConfig(_Section):
+    # Concurrent generations per engine. One lease = one LLM call, so an
+    # episode holds a permit only while its request is in the engine.
+    llm_max_rollouts: PositiveInt = 64
+    # Prefer the engine an episode used last (prefix-cache reuse) while that
+    # engine has a free permit; otherwise least-loaded engine first.
+    affinity: bool = True
+
+
+class SamplingConfig(_Section):
+    # Sampling temperature. The engine reports logprobs of the distribution
+    # it sampled from (logits / temperature), which the trainer must match.
+    temperature: PositiveFloat = 1.0
+    # Nucleus sampling; 1.0 = off. Anything else makes the sampled
+    # distribution differ from softmax(logits / T), breaking logprob parity.
+    top_p: Fraction = 1.0
+    # Max completion tokens per LLM call.
+    max_tokens: PositiveInt = 64
+
+
+class ActorConfig(_Section):
+    # Node identity in logs/metrics; empty = hostname.
+    node_id: str = ""
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+
+
+class TrainerConfig(_Section):
+    # Address the trainer binds its control/sample sockets on.
+    bind_host: str = "0.0.0.0"
+    # Base TCP port (control = port, samples = port + 1).
+    port: Annotated[int, Meta(ge=1, le=65535)] = 5555
+    # Device for the trainer model: "auto" = cuda if available, else cpu.
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+
+class RunConfig(_Section):
+    # Name of this run (logs, metrics, run directory); empty = config stem.
+    name: str = ""
+    # Directory for metrics, checkpoints and the final policy.
+    run_dir: str = "runs/default"
+    # Global seed.
+    seed: NonNegInt = 0
+
+
+class Config(_Section):
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+# ---------------------------------------------------------------------------
+# Loading and validation
+
+
+def _dotted(path: str) -> str:
+    """msgspec's ``$.a.b[0]`` -> ``a.b[0]``."""
+    return path.removeprefix("$").lstrip(".")
+
+
+def _explain(err: msgspec.ValidationError) -> str:
+    # msgspec messages look like "Expected `int`, got `str` - at `$.a.b`" or
+    # "Object contains unknown field `x` - at `$.a`". Rewrite them so the
+    # dotted key comes first, which is what an operator greps for.
+    msg = str(err)
+    what, _, where = msg.partition(" - at `")
+    where = _dotted(where.rstrip("`"))
+    if what.startswith("Object contains unknown field `"):
+        name = what.split("`")[1]
+        key = f"{where}.{name}" if where else name
+        return f"{key}: unknown key (not part of the [{where or 'top-level'}] section)"
+    if not where:
+        return what
+    return f"{where}: {what[0].lower()}{what[1:]}"
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """``a.b.c=VALUE`` -> (["a","b","c"], value). VALUE is read as a TOML value
+    (``3``, ``1e-3``, ``true``, ``"x"``, ``[1, 2]``); anything that is not valid
+    TOML is taken as a bare string, so ``--set model.path=/x/y`` works."""
+    key, sep, raw = item.partition("=")
+    key = key.strip()
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"--set {item!r}: expected KEY.PATH=VALUE")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return key.split("."), value
+
+
+def _apply_override(data: dict[str, Any], path: list[str], value: Any) -> None:
+    node = data
+    for i, part in enumerate(path[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{'.'.join(path[: i + 1])}: is a value, not a section")
+        node = child
+    node[path[-1]] = value
+
+
+def load_config(
+    path: str | Path | None = None,
+    overrides: list[str] = (),
+) -> Config:
+    """Read TOML, apply ``--set`` overrides, validate once. Raises ConfigError."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path}: invalid TOML: {e}") from None
+    for item in overrides:
+        keys, value = parse_override(item)
+        _apply_override(data, keys, value)
+    try:
+        cfg = msgspec.convert(data, Config, strict=True)
+    except msgspec.ValidationError as e:
+        raise ConfigError(_explain(e)) from None
+    _check_cross_field(cfg)
+    if not cfg.run.name:
+        cfg.run.name = Path(path).stem if path else "rlnode"
+    return cfg
+
+
+def _check_cross_field(cfg: Config) -> None:
+    eng = cfg.actor.engine
+    if eng.device == "cpu" and eng.tensor_parallel_size != 1:
+        raise ConfigError("actor.engine.tensor_parallel_size: must be 1 when actor.engine.device = \"cpu\"")
+    if cfg.actor.sampling.max_tokens >= cfg.model.max_model_len:
+        raise ConfigError(
+            "actor.sampling.max_tokens: must be < model.max_model_len "
+            f"({cfg.actor.sampling.max_tokens} >= {cfg.model.max_model_len})"
+        )
+
+
+def to_toml_dict(cfg: Config) -> dict[str, Any]:
+    """The effective config as plain data (for logs and the run directory)."""
+    return msgspec.to_builtins(cfg)

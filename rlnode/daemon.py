@@ -1,0 +1,156 @@
+"""Daemon lifecycle shared by every role: startup -> run -> shutdown.
+
+Owns: the event loop (uvloop), signal handling and the order in which roles
+start and stop. Signal handlers only set state: the first SIGINT/SIGTERM asks
+every role to stop (drain with a deadline), a second one exits at once with
+code 130. Roles must not install signal handlers of their own.
+
+Exit codes: 0 clean stop, 1 fatal error, 2 bad config/usage, 130 forced stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from typing import Protocol
+
+from rlnode.config import Config
+from rlnode.log import bind_context, get_logger
+
+log = get_logger("rlnode.daemon")
+
+EXIT_OK = 0
+EXIT_FATAL = 1
+EXIT_USAGE = 2
+EXIT_FORCED = 130
+
+
+class Role(Protocol):
+    """What a role (actor, trainer) exposes to the lifecycle."""
+
+    name: str
+
+    async def start(self) -> None: ...  # bring up engines/sockets; raise to abort
+
+    async def run(self, stop: asyncio.Event) -> None: ...  # serve until stop is set
+
+    async def shutdown(self) -> None: ...  # release everything; must not raise
+
+
+class Lifecycle:
+    def __init__(self, roles: list[Role], drain_timeout_s: float = 30.0):
+        self.roles = roles
+        self.drain_timeout_s = drain_timeout_s
+        self.stop = asyncio.Event()
+        self._signals = 0
+
+    def _on_signal(self, signum: int) -> None:
+        self._signals += 1
+        if self._signals > 1:
+            # Second signal: the operator means it. No cleanup.
+            os.write(2, b'{"event": "forced exit on second signal"}\n')
+            os._exit(EXIT_FORCED)
+        log.info("signal", signal=signal.Signals(signum).name)
+        self.stop.set()
+
+    async def main(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        started: list[Role] = []
+        code = EXIT_OK
+        try:
+            for role in self.roles:
+                await _until_stopped(role.start(), self.stop)
+                started.append(role)
+                if self.stop.is_set():
+                    break
+            else:
+                log.info("ready", roles=[r.name for r in self.roles])
+                runs = [asyncio.create_task(r.run(self.stop), name=f"run-{r.name}") for r in self.roles]
+                code = await self._supervise(runs)
+        except _Stopped:
+            log.info("stopped during startup")
+        except Exception:
+            log.exception("fatal")
+            code = EXIT_FATAL
+        finally:
+            for role in reversed(started):
+                try:
+                    await asyncio.wait_for(role.shutdown(), self.drain_timeout_s)
+                except Exception:
+                    log.exception("shutdown failed", role=role.name)
+                    code = code or EXIT_FATAL
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+        log.info("exit", code=code)
+        return code
+
+    async def _supervise(self, runs: list[asyncio.Task]) -> int:
+        """Wait for a stop request or for a role to end; a role that ends on
+        its own with an error is fatal for the daemon."""
+        stop_wait = asyncio.create_task(self.stop.wait())
+        done, _ = await asyncio.wait([stop_wait, *runs], return_when=asyncio.FIRST_COMPLETED)
+        self.stop.set()
+        code = EXIT_OK
+        for t in runs:
+            if t in done and not t.cancelled() and t.exception() is not None:
+                log.error("role failed", task=t.get_name(), error=repr(t.exception()))
+                code = EXIT_FATAL
+        # Roles see stop and drain themselves; past the deadline they are cancelled.
+        _, pending = await asyncio.wait(runs, timeout=self.drain_timeout_s)
+        for t in pending:
+            t.cancel()
+        if pending:
+            log.warning("drain deadline passed, cancelled", tasks=len(pending))
+            await asyncio.gather(*pending, return_exceptions=True)
+        for t in runs:
+            if t.done() and not t.cancelled() and t.exception() is not None and code == EXIT_OK:
+                log.error("role failed while draining", task=t.get_name(), error=repr(t.exception()))
+                code = EXIT_FATAL
+        stop_wait.cancel()
+        return code
+
+
+class _Stopped(Exception):
+    pass
+
+
+async def _until_stopped(coro, stop: asyncio.Event):
+    """Run a startup step, but give up as soon as a stop is requested."""
+    task = asyncio.ensure_future(coro)
+    stop_wait = asyncio.create_task(stop.wait())
+    try:
+        await asyncio.wait([task, stop_wait], return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise _Stopped()
+    finally:
+        stop_wait.cancel()
+
+
+def build_roles(cfg: Config, role: str, peers: list[str]) -> list[Role]:
+    roles: list[Role] = []
+    if role in ("trainer", "all"):
+        from rlnode.trainer.daemon import TrainerDaemon
+
+        roles.append(TrainerDaemon(cfg))
+    if role in ("actor", "all"):
+        from rlnode.actor.daemon import ActorDaemon
+
+        roles.append(ActorDaemon(cfg, peers))
+    return roles
+
+
+def run_daemon(cfg: Config, role: str, peers: list[str]) -> int:
+    bind_context(run=cfg.run.name, role=role, node=cfg.actor.node_id or os.uname().nodename)
+    try:
+        import uvloop
+
+        runner = uvloop.run
+    except ImportError:  # pragma: no cover - uvloop is a dependency
+        runner = asyncio.run
+    return runner(Lifecycle(build_roles(cfg, role, peers)).main())

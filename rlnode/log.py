@@ -1,0 +1,48 @@
+"""Structured logging: one event per line, JSON to stderr (journald), or a
+human-readable console renderer when stderr is a terminal.
+
+Every event carries the context bound with ``bind_context`` (run id, node id,
+role, policy version), through structlog's contextvars.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import structlog
+
+
+def setup_logging(level: str = "info", json: bool | None = None) -> None:
+    if json is None:
+        json = not sys.stderr.isatty()
+    renderer = (
+        structlog.processors.JSONRenderer()
+        if json
+        else structlog.dev.ConsoleRenderer(colors=False)
+    )
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(
+            getattr(logging, level.upper(), logging.INFO)
+        ),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=False,
+    )
+    # vLLM and friends use stdlib logging; keep them on stderr, less chatty.
+    logging.basicConfig(stream=sys.stderr, level=logging.WARNING)
+
+
+def bind_context(**kv) -> None:
+    """Add keys (run, node, role, version, ...) to every later event."""
+    structlog.contextvars.bind_contextvars(**kv)
+
+
+def get_logger(name: str | None = None):
+    return structlog.get_logger(name)
