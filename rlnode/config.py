@@ -93,6 +93,9 @@ class SamplingConfig(_Section):
 class ActorConfig(_Section):
     # Node identity in logs/metrics; empty = hostname.
     node_id: str = ""
+    # Trainer address(es) "host:port" this actor connects to; the CLI's
+    # --peers replaces this list.
+    peers: list[str] = []
     engine: EngineConfig = field(default_factory=EngineConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
@@ -132,7 +135,22 @@ def _dotted(path: str) -> str:
     return path.removeprefix("$").lstrip(".")
 
 
-def _explain(err: msgspec.ValidationError) -> str:
+def _lookup(data: Any, dotted: str) -> Any:
+    node = data
+    for part in dotted.replace("[", ".").replace("]", "").split("."):
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return _MISSING
+    return node
+
+
+_MISSING = object()
+
+
+def _explain(err: msgspec.ValidationError, data: Any) -> str:
     # msgspec messages look like "Expected `int`, got `str` - at `$.a.b`" or
     # "Object contains unknown field `x` - at `$.a`". Rewrite them so the
     # dotted key comes first, which is what an operator greps for.
@@ -145,7 +163,11 @@ def _explain(err: msgspec.ValidationError) -> str:
         return f"{key}: unknown key (not part of the [{where or 'top-level'}] section)"
     if not where:
         return what
-    return f"{where}: {what[0].lower()}{what[1:]}"
+    what = f"{what[0].lower()}{what[1:]}"
+    value = _lookup(data, where)
+    if ", got" not in what and value is not _MISSING:
+        what += f", got {value!r}"
+    return f"{where}: {what}"
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:
@@ -192,7 +214,7 @@ def load_config(
     try:
         cfg = msgspec.convert(data, Config, strict=True)
     except msgspec.ValidationError as e:
-        raise ConfigError(_explain(e)) from None
+        raise ConfigError(_explain(e, data)) from None
     _check_cross_field(cfg)
     if not cfg.run.name:
         cfg.run.name = Path(path).stem if path else "rlnode"

@@ -132,7 +132,7 @@ async def _until_stopped(coro, stop: asyncio.Event):
         stop_wait.cancel()
 
 
-def build_roles(cfg: Config, role: str, peers: list[str]) -> list[Role]:
+def build_roles(cfg: Config, role: str) -> list[Role]:
     roles: list[Role] = []
     if role in ("trainer", "all"):
         from rlnode.trainer.daemon import TrainerDaemon
@@ -141,11 +141,11 @@ def build_roles(cfg: Config, role: str, peers: list[str]) -> list[Role]:
     if role in ("actor", "all"):
         from rlnode.actor.daemon import ActorDaemon
 
-        roles.append(ActorDaemon(cfg, peers))
+        roles.append(ActorDaemon(cfg))
     return roles
 
 
-def run_daemon(cfg: Config, role: str, peers: list[str]) -> int:
+def run_daemon(cfg: Config, role: str) -> int:
     bind_context(run=cfg.run.name, role=role, node=cfg.actor.node_id or os.uname().nodename)
     try:
         import uvloop
@@ -153,4 +153,4 @@ def run_daemon(cfg: Config, role: str, peers: list[str]) -> int:
         runner = uvloop.run
     except ImportError:  # pragma: no cover - uvloop is a dependency
         runner = asyncio.run
-    return runner(Lifecycle(build_roles(cfg, role, peers)).main())
+    return runner(Lifecycle(build_roles(cfg, role)).main())

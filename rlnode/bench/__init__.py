@@ -1,0 +1,30 @@
+"""Benchmarks: ``rlnode bench NAME`` prints a table, or one JSON object with
+``--json``. Each compares rlnode against a named baseline in the same run."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import msgspec
+
+from rlnode.config import Config
+
+
+def run_bench(name: str, cfg: Config, args) -> int:
+    if args.model:
+        cfg.model.path = args.model
+    # Progress goes to stderr so --json keeps stdout to one object.
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    if name == "router":
+        from rlnode.bench.router import bench_router, print_table
+
+        res = asyncio.run(bench_router(cfg, args.concurrency, args.requests, args.max_tokens, args.rounds, log))
+        if args.json:
+            print(msgspec.json.encode(res).decode())
+        else:
+            print_table(res)
+        return 0
+    raise SystemExit(f"unknown benchmark {name!r}")

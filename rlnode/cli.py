@@ -1,0 +1,124 @@
+"""Command line: ``rlnode --role ...`` runs a daemon; subcommands are tools.
+
+    rlnode --role {trainer,actor,all} --config FILE [--set k.p=v ...] [--peers H:P,...]
+    rlnode tiny-model OUT_DIR [--arch ...] [--tie-embeddings] [--seed N] [--layers N --hidden N]
+    rlnode bench NAME [--config FILE] [--set ...] [--json]
+
+Heavy imports (torch, vllm) happen only inside the command that needs them,
+so ``--help`` and config errors are instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from rlnode import __version__
+
+ROLES = ("trainer", "actor", "all")
+BENCHES = ("router",)
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE", help="TOML config (see conf/demo.toml)")
+    p.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
+        help="override one config key, e.g. --set actor.router.llm_max_rollouts=32 "
+        "(VALUE is read as TOML; repeatable; validated like the file)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="rlnode",
+        description="Asynchronous multi-step RL for LLM agents. Run a daemon with --role, "
+        "or a tool with a subcommand.",
+    )
+    p.add_argument("--version", action="version", version=f"rlnode {__version__}")
+    p.add_argument("--role", choices=ROLES,
+                   help="daemon to run: trainer (one per job), actor (one per node), or all (both, one machine)")
+    _add_config_args(p)
+    p.add_argument("--peers", default="", metavar="HOST:PORT,...",
+                   help="actor: trainer address(es) to connect to (overrides the config)")
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
+                   help="log level (default info)")
+    p.add_argument("--log-json", action=argparse.BooleanOptionalAction, default=None,
+                   help="JSON log lines (default: JSON unless stderr is a terminal)")
+
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    tm = sub.add_parser("tiny-model", help="write a tiny random causal LM + byte-level tokenizer")
+    tm.add_argument("out_dir", metavar="OUT_DIR")
+    tm.add_argument("--arch", choices=("qwen2", "llama", "qwen3"), default="qwen2",
+                    help="architecture (default qwen2)")
+    tm.add_argument("--tie-embeddings", action="store_true", help="tie lm_head to the input embeddings")
+    tm.add_argument("--seed", type=int, default=0, help="init seed (default 0)")
+    tm.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
+    tm.add_argument("--hidden", type=int, default=128,
+                    help="hidden size, a multiple of the head dim 64 (default 128)")
+    tm.add_argument("--if-missing", action="store_true", help="do nothing if OUT_DIR already holds a model")
+
+    bench = sub.add_parser("bench", help="run a benchmark and print a table (or --json)")
+    bench.add_argument("name", choices=BENCHES, help="router: AdmissionRouter+Engine vs direct AsyncLLM vs vllm serve")
+    _add_config_args(bench)
+    bench.add_argument("--model", metavar="PATH", help="model directory (overrides model.path)")
+    bench.add_argument("--concurrency", type=int, default=32, help="concurrent requests (default 32)")
+    bench.add_argument("--requests", type=int, default=256, help="requests per round (default 128)")
+    bench.add_argument("--max-tokens", type=int, default=64, help="tokens per request (default 64)")
+    bench.add_argument("--rounds", type=int, default=5, help="timed rounds per mode (default 5)")
+    bench.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    return p
+
+
+def _load(args) -> "Config":  # noqa: F821
+    from rlnode.config import ConfigError, load_config
+
+    try:
+        return load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"rlnode: config error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from rlnode.log import setup_logging
+
+    setup_logging(args.log_level, args.log_json)
+
+    if args.command == "tiny-model":
+        return _cmd_tiny_model(args)
+    if args.command == "bench":
+        cfg = _load(args)
+        from rlnode.bench import run_bench
+
+        return run_bench(args.name, cfg, args)
+    if args.role is None:
+        parser.print_usage(sys.stderr)
+        print("rlnode: error: give --role or a command", file=sys.stderr)
+        return 2
+    cfg = _load(args)
+    if args.peers:
+        cfg.actor.peers = [p.strip() for p in args.peers.split(",") if p.strip()]
+    from rlnode.daemon import run_daemon
+
+    return run_daemon(cfg, args.role)
+
+
+def _cmd_tiny_model(args) -> int:
+    from pathlib import Path
+
+    out = Path(args.out_dir)
+    if args.if_missing and (out / "config.json").exists():
+        print(f"tiny model already at {out}")
+        return 0
+    from rlnode.tiny_model import build_tiny_model
+
+    build_tiny_model(out, arch=args.arch, tie_embeddings=args.tie_embeddings, seed=args.seed,
+                     layers=args.layers, hidden=args.hidden)
+    print(f"wrote {args.arch} tiny model ({'tied' if args.tie_embeddings else 'untied'} embeddings) to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,2 @@
+"""Trainer role: where samples are consumed (buffer, loss, optimizer, weight
+broadcast, checkpoints)."""
