@@ -90,6 +90,53 @@ class SamplingConfig(_Section):
     max_tokens: PositiveInt = 64
 
 
+class CubeConfig(_Section):
+    # Name of this cube in the run (metrics, task refs); unique.
+    id: str
+    # Registry name: guessing | arithmetic | python-math | jsonl |
+    # cube-protocol | a plug-in from the `rlnode.cubes` entry-point group.
+    kind: str
+    # Relative share of training groups drawn from this cube; 0 = evaluation only.
+    weight: Annotated[float, Meta(ge=0)] = 1.0
+    # Evaluate on this cube's test split.
+    eval: bool = True
+    # The cube's own knobs (validated by the cube's Options schema at load).
+    options: dict[str, Any] = {}
+
+
+class EpisodeConfig(_Section):
+    # Safety cap on LLM calls per episode (cubes usually end earlier).
+    max_turns: PositiveInt = 16
+    # Context reserve: an episode whose prompt leaves fewer tokens than this
+    # for the completion ends with termination_reason "context_limit".
+    min_completion_tokens: PositiveInt = 4
+
+
+class SchedulerConfig(_Section):
+    # Episodes per task; they form one group (the advantage baseline).
+    attempts: PositiveInt = 8
+    # Groups the trainer consumes per optimizer step (one version).
+    groups_per_step: PositiveInt = 8
+    # Staleness budget in versions: a group started at version v is meant to
+    # be trained by version v + max_lag, so at most
+    # (version + max_lag + 1) * groups_per_step groups are ever started.
+    max_lag: NonNegInt = 1
+    # Episodes in flight on this node (train + eval).
+    max_concurrent_episodes: PositiveInt = 256
+    # Retries of a failed episode (cube or engine error) before it counts as
+    # failed, which drops its group.
+    max_retries: NonNegInt = 2
+    # Retry backoff: base * 2**attempt seconds, capped at retry_backoff_max_s.
+    retry_backoff_s: Annotated[float, Meta(ge=0)] = 0.5
+    retry_backoff_max_s: Annotated[float, Meta(ge=0)] = 10.0
+    # Evaluate on the test cubes every N policy versions; 0 = never.
+    eval_every: NonNegInt = 0
+    # Test episodes per cube per evaluation.
+    eval_episodes: PositiveInt = 64
+    # Most of max_concurrent_episodes evaluation may hold at once, (0, 1].
+    eval_share: Fraction = 0.25
+
+
 class ActorConfig(_Section):
     # Node identity in logs/metrics; empty = hostname.
     node_id: str = ""
@@ -99,6 +146,10 @@ class ActorConfig(_Section):
     engine: EngineConfig = field(default_factory=EngineConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    episode: EpisodeConfig = field(default_factory=EpisodeConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    # The cubes this actor trains and evaluates on ([[actor.cubes]] tables).
+    cubes: list[CubeConfig] = []
 
 
 class TrainerConfig(_Section):
@@ -222,6 +273,7 @@ def load_config(
 
 
 def _check_cross_field(cfg: Config) -> None:
+    _check_cubes(cfg.actor.cubes)
     eng = cfg.actor.engine
     if eng.device == "cpu" and eng.tensor_parallel_size != 1:
         raise ConfigError("actor.engine.tensor_parallel_size: must be 1 when actor.engine.device = \"cpu\"")
@@ -230,6 +282,30 @@ def _check_cross_field(cfg: Config) -> None:
             "actor.sampling.max_tokens: must be < model.max_model_len "
             f"({cfg.actor.sampling.max_tokens} >= {cfg.model.max_model_len})"
         )
+
+
+def _check_cubes(cubes: list[CubeConfig]) -> None:
+    # Imported here: the registry is light, but the config module should
+    # not pull the cube package in for configs without cubes.
+    from rlnode.cubes.registry import UnknownCube, parse_options
+
+    seen: set[str] = set()
+    for i, c in enumerate(cubes):
+        key = f"actor.cubes[{i}]"
+        if c.id in seen:
+            raise ConfigError(f"{key}.id: duplicate cube id {c.id!r}")
+        seen.add(c.id)
+        try:
+            parse_options(c.kind, c.options)
+        except UnknownCube as e:
+            raise ConfigError(f"{key}.kind: {e.args[0]}") from None
+        except msgspec.ValidationError as e:
+            msg = _explain(e, c.options).replace("[top-level] section", f"options of cube kind {c.kind!r}")
+            raise ConfigError(f"{key}.options.{msg}") from None
+        except (ValueError, TypeError) as e:
+            raise ConfigError(f"{key}.options: {e}") from None
+    if cubes and not any(c.weight > 0 for c in cubes):
+        raise ConfigError("actor.cubes: at least one cube needs weight > 0 to train on")
 
 
 def to_toml_dict(cfg: Config) -> dict[str, Any]:

@@ -119,6 +119,10 @@ def build_engine_args(
 class Engine:
     """One vLLM engine. ``await start()``, then ``generate`` concurrently."""
 
+    # Grace period for the engine core process after SIGTERM before vLLM
+    # kills it (vLLM's own default, 5 s, is often too short on busy CPUs).
+    SHUTDOWN_TIMEOUT_S = 30.0
+
     def __init__(
         self,
         engine_id: int,
@@ -229,5 +233,13 @@ class Engine:
         if self.llm is None:
             return
         llm, self.llm = self.llm, None
-        await asyncio.to_thread(llm.shutdown)
-        log.info("engine.stopped", engine=self.engine_id)
+        # Stop reading outputs first: otherwise the reader sees the core go
+        # away and logs a spurious EngineDeadError.
+        handler = getattr(llm, "output_handler", None)
+        if handler is not None:
+            handler.cancel()
+            await asyncio.gather(handler, return_exceptions=True)
+            llm.output_handler = None
+        t0 = time.monotonic()
+        await asyncio.to_thread(llm.shutdown, self.SHUTDOWN_TIMEOUT_S)
+        log.info("engine.stopped", engine=self.engine_id, shutdown_s=round(time.monotonic() - t0, 2))

@@ -213,7 +213,9 @@ async def bench_router(cfg: Config, concurrency: int, requests: int, max_tokens:
         tokens_per_s=med["rlnode"],
         direct_tokens_per_s=med["direct"],
         http_tokens_per_s=med["http"],
-        ratio_vs_direct=med["rlnode"] / med["direct"],
+        # Paired: each rlnode round against the direct round next to it, so
+        # slow drift of a shared host cancels out; then the median.
+        ratio_vs_direct=statistics.median(a / b for a, b in zip(per_mode["rlnode"], per_mode["direct"])),
         ratio_vs_http=med["rlnode"] / med["http"],
         concurrency=concurrency,
         requests_per_round=requests,

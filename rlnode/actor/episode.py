@@ -1,0 +1,200 @@
+"""The agent loop: one episode of one cube task, as a coroutine.
+
+Owns: turning cube observations into prompt token ids, completions into
+``Action``s, and every LLM call into a ``TrainingSample``. Token-in /
+token-out: the prompt of turn k+1 is the prompt of turn k, plus the tokens
+the engine produced, plus the template tokens of the new message. Nothing the
+engine produced is ever decoded and re-encoded into a prompt.
+
+Stops at the cube's ``done``, at ``max_turns`` LLM calls, or when the context
+has no room left for a completion (``min_completion_tokens``).
+
+Must not decide how many episodes run or retry them (the scheduler's job);
+failures of the cube or engine propagate as exceptions. The task is closed
+exactly once, also on error and cancellation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from typing import Any, Callable
+
+import msgspec
+
+from rlnode.actor.engine import SamplingSettings
+from rlnode.actor.generation import LLMClient
+from rlnode.cubes.base import Action, CubeTask, ToolCall, ToolSpec
+from rlnode.wire import TrainingSample, pack_f32, pack_i32
+
+_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+
+def parse_action(text: str) -> Action:
+    """Hermes/Qwen style: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``.
+    A malformed call becomes ``parse_error`` (shown to the agent), never an
+    exception."""
+    calls: list[ToolCall] = []
+    errors: list[str] = []
+    for raw in _TOOL_CALL.findall(text):
+        try:
+            obj = json.loads(raw)
+            args = obj.get("arguments", {})
+            if isinstance(args, str):  # some models emit arguments as a JSON string
+                args = json.loads(args)
+            if not isinstance(obj.get("name"), str) or not isinstance(args, dict):
+                raise ValueError("expected {\"name\": str, \"arguments\": object}")
+            calls.append(ToolCall(obj["name"], args))
+        except (ValueError, AttributeError) as e:
+            errors.append(f"invalid tool call {raw.strip()[:80]!r}: {e}")
+    rest = _TOOL_CALL.sub("", text)
+    if "<tool_call>" in rest:
+        errors.append("unterminated <tool_call>")
+        rest = rest.replace("<tool_call>", "")
+    return Action(text=rest.strip(), tool_calls=calls, parse_error="; ".join(errors) or None)
+
+
+class ChatRenderer:
+    """Applies the model's chat template one message at a time, in tokens.
+
+    The template is rendered for a fixed two-message base conversation with
+    and without the new message; the difference is what the new message adds.
+    This keeps templates that inject default system prompts or per-turn
+    markup correct without re-rendering (and re-tokenising) the history.
+    """
+
+    _BASE = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self.eos_id = tokenizer.eos_token_id
+        eos = tokenizer.eos_token
+        self._closed = closed = self._render(self._BASE, None, add_generation_prompt=False)
+        # Template text between the assistant's end-of-turn token and the next
+        # message (e.g. "\n" for ChatML).
+        self._after_eos = closed[closed.rindex(eos) + len(eos):] if eos in closed else ""
+
+    def _render(self, messages, tools, add_generation_prompt: bool) -> str:
+        return self.tok.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False
+        )
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False)
+
+    def first_prompt(self, system: str | None, user: str, tools: list[ToolSpec]) -> list[int]:
+        msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
+        chat_tools = [t.as_chat_tool() for t in tools] or None
+        return self.encode(self._render(msgs, chat_tools, add_generation_prompt=True))
+
+    def next_message(self, completion_ids: list[int], role: str, content: str) -> list[int]:
+        """Tokens to append after a completion: close the assistant turn if
+        the engine did not (length stop), then the new message and the
+        generation prompt."""
+        opened = self._render([*self._BASE, {"role": role, "content": content}], None, add_generation_prompt=True)
+        if not opened.startswith(self._closed):
+            raise ValueError("chat template re-renders earlier turns when a message is added; "
+                             "token-in/token-out needs a prefix-stable template")
+        delta = opened[len(self._closed):]
+        head = [] if (completion_ids and completion_ids[-1] == self.eos_id) else [self.eos_id]
+        return head + self.encode(self._after_eos + delta)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=False)
+
+
+class EpisodeResult(msgspec.Struct):
+    episode_id: str
+    group_id: str
+    cube_id: str
+    task_id: str
+    reward: float
+    success: bool
+    num_turns: int
+    termination_reason: str  # "done" | "max_turns" | "context_limit"
+    agent_errors: int  # agent-visible errors (malformed calls, bad args)
+    duration_s: float
+    samples: list[TrainingSample]
+
+
+class EpisodeSettings(msgspec.Struct):
+    sampling: SamplingSettings
+    max_turns: int
+    max_model_len: int
+    min_completion_tokens: int = 4
+
+
+async def run_episode(
+    client: LLMClient,
+    renderer: ChatRenderer,
+    task: CubeTask,
+    settings: EpisodeSettings,
+    episode_id: str,
+    group_id: str,
+    policy_version: Callable[[], int] = lambda: 0,
+) -> EpisodeResult:
+    t0 = time.monotonic()
+    try:
+        return await _play(client, renderer, task, settings, episode_id, group_id, policy_version, t0)
+    finally:
+        # Shielded: a cancelled episode still releases its cube task.
+        await asyncio.shield(task.close())
+
+
+async def _play(client, renderer, task, settings, episode_id, group_id, policy_version, t0) -> EpisodeResult:
+    reset = await task.reset()
+    tools = task.tools()
+    prompt = renderer.first_prompt(reset.system, reset.observation, tools)
+    pending: list[dict[str, Any]] = []
+    engine: int | None = None
+    agent_errors, reason = 0, "max_turns"
+    for turn in range(settings.max_turns):
+        room = settings.max_model_len - len(prompt)
+        if room < settings.min_completion_tokens:
+            reason = "context_limit"
+            break
+        sampling = msgspec.structs.replace(settings.sampling, max_tokens=min(settings.sampling.max_tokens, room))
+        version = policy_version()
+        gen = await client.generate(prompt, sampling, affinity=engine)
+        engine = gen.lease.engine_id
+        c = gen.completion
+        pending.append(dict(step_index=turn, prompt=prompt, completion=c, lease=gen.lease, version=version))
+        action = parse_action(renderer.decode(c.token_ids))
+        result = await task.step(action)
+        agent_errors += result.error is not None
+        if result.done:
+            reason = "done"
+            break
+        prompt = prompt + c.token_ids + renderer.next_message(c.token_ids, result.role, result.observation)
+    evaluation = await task.evaluate()
+    samples = [_sample(p, task, settings, episode_id, group_id, evaluation.reward, reason, len(pending))
+               for p in pending]
+    return EpisodeResult(episode_id, group_id, task.ref.cube_id, task.ref.task_id, evaluation.reward,
+                         evaluation.success, len(pending), reason, agent_errors,
+                         time.monotonic() - t0, samples)
+
+
+def _sample(p, task, settings, episode_id, group_id, reward, reason, turns) -> TrainingSample:
+    c = p["completion"]
+    return TrainingSample(
+        sample_id=f"{episode_id}/{p['step_index']}",
+        group_id=group_id,
+        episode_id=episode_id,
+        cube_id=task.ref.cube_id,
+        task_id=task.ref.task_id,
+        step_index=p["step_index"],
+        prompt_ids=pack_i32(p["prompt"]),
+        completion_ids=pack_i32(c.token_ids),
+        logprobs=pack_f32(c.logprobs),
+        loss_mask=bytes([1]) * len(c.token_ids),
+        reward=reward,
+        finish_reason=c.finish_reason,
+        termination_reason=reason,
+        policy_version=p["version"],
+        temperature=settings.sampling.temperature,
+        lease=p["lease"],
+        weight_versions=c.weight_versions,
+        num_turns=turns,
+    )

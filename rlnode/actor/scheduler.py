@@ -1,0 +1,275 @@
+"""RolloutScheduler: turns cube tasks into complete groups of episodes.
+
+Owns: which task runs next (cubes drawn by weight), how many groups may be in
+flight (the staleness budget), episode retries, periodic evaluation on the
+test splits, and per-cube counters. Emits only *complete* groups: a group
+whose episode failed past its retries is dropped and counted, never sent
+half-full (its advantage baseline would be wrong).
+
+Staleness budget: the trainer consumes ``groups_per_step`` groups per
+version, so a group started at version v is trained by about version
+v + max_lag if no more than ``(version + max_lag + 1) * groups_per_step``
+groups have ever been started. ``admit`` waits on that; the version comes
+from a ``VersionSource`` (the trainer link in production, the test in tests).
+
+Must not touch engines or tokens directly (episodes do, through LLMClient).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+from typing import Callable
+
+import msgspec
+
+from rlnode.actor.episode import ChatRenderer, EpisodeResult, EpisodeSettings, run_episode
+from rlnode.actor.generation import LLMClient
+from rlnode.config import SchedulerConfig
+from rlnode.cubes.base import Cube, CubeTaskRef
+from rlnode.log import get_logger
+
+log = get_logger("rlnode.scheduler")
+
+
+class VersionSource:
+    """The policy version the actor's engines hold; ``wait_changed`` wakes on
+    every update."""
+
+    def __init__(self, version: int = 0):
+        self.version = version
+        self._changed = asyncio.Event()
+
+    def set(self, version: int) -> None:
+        self.version = version
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def wait_changed(self) -> None:
+        await self._changed.wait()
+
+
+class CubeStats(msgspec.Struct):
+    episodes: int = 0  # completed episodes
+    successes: int = 0
+    errors: int = 0  # episodes failed after all retries
+    retries: int = 0
+    agent_errors: int = 0  # agent-visible errors (malformed calls, bad args)
+    reward_sum: float = 0.0
+    turns_sum: int = 0
+    groups: int = 0  # complete groups emitted
+    groups_dropped: int = 0  # groups lost to a failed episode
+
+    def record(self, ep: EpisodeResult) -> None:
+        self.episodes += 1
+        self.successes += ep.success
+        self.agent_errors += ep.agent_errors
+        self.reward_sum += ep.reward
+        self.turns_sum += ep.num_turns
+
+    @property
+    def reward_mean(self) -> float:
+        return self.reward_sum / self.episodes if self.episodes else 0.0
+
+    @property
+    def success_rate(self) -> float:
+        return self.successes / self.episodes if self.episodes else 0.0
+
+    @property
+    def turns_mean(self) -> float:
+        return self.turns_sum / self.episodes if self.episodes else 0.0
+
+    def summary(self) -> dict:
+        return {"episodes": self.episodes, "success_rate": self.success_rate, "reward_mean": self.reward_mean,
+                "turns_mean": self.turns_mean, "errors": self.errors, "retries": self.retries,
+                "agent_errors": self.agent_errors, "groups": self.groups, "groups_dropped": self.groups_dropped}
+
+
+class Group(msgspec.Struct):
+    """``attempts`` finished episodes of one task."""
+
+    group_id: str
+    ref: CubeTaskRef
+    start_version: int
+    episodes: list[EpisodeResult]
+
+
+class EvalReport(msgspec.Struct):
+    version: int
+    cubes: dict[str, dict]  # cube id -> CubeStats.summary()
+
+
+class RolloutScheduler:
+    def __init__(
+        self,
+        cubes: dict[str, Cube],
+        weights: dict[str, float],
+        eval_cubes: list[str],
+        client: LLMClient,
+        renderer: ChatRenderer,
+        cfg: SchedulerConfig,
+        episode: EpisodeSettings,
+        versions: VersionSource,
+        seed: int = 0,
+        on_eval: Callable[[EvalReport], None] | None = None,
+    ):
+        self.cubes, self.cfg, self.episode = cubes, cfg, episode
+        self.client, self.renderer, self.versions = client, renderer, versions
+        self.train_cubes = [c for c, w in weights.items() if w > 0]
+        self.weights = [weights[c] for c in self.train_cubes]
+        self.eval_cubes = eval_cubes
+        self.on_eval = on_eval
+        self.rng = random.Random(seed)
+        self.stats = {c: CubeStats() for c in cubes}
+        self.eval_stats: dict[str, CubeStats] = {}
+        self.started_groups = 0
+        self.in_flight_groups = 0
+        self.max_in_flight_groups = 0
+        self.episodes_in_flight = 0
+        self.eval_in_flight = 0
+        self.max_eval_in_flight = 0
+        self._train_ids: dict[str, list[str]] = {}
+        self._test_ids: dict[str, list[str]] = {}
+        self._slots = asyncio.Semaphore(cfg.max_concurrent_episodes)
+        self._eval_slots = asyncio.Semaphore(max(1, math.floor(cfg.eval_share * cfg.max_concurrent_episodes)))
+        self._tasks: set[asyncio.Task] = set()
+
+    async def prepare(self) -> None:
+        for cid in self.train_cubes:
+            self._train_ids[cid] = await self.cubes[cid].task_ids("train")
+            if not self._train_ids[cid]:
+                raise ValueError(f"cube {cid!r} has no train tasks")
+        for cid in self.eval_cubes:
+            self._test_ids[cid] = await self.cubes[cid].task_ids("test")
+
+    # -- admission -------------------------------------------------------------
+
+    def budget(self) -> int:
+        """Groups that may have been started by now."""
+        return (self.versions.version + self.cfg.max_lag + 1) * self.cfg.groups_per_step
+
+    async def admit(self) -> None:
+        while self.started_groups >= self.budget():
+            await self.versions.wait_changed()
+
+    def next_task(self) -> CubeTaskRef:
+        cid = self.rng.choices(self.train_cubes, self.weights)[0]
+        return CubeTaskRef(cid, self.rng.choice(self._train_ids[cid]))
+
+    # -- main loop -------------------------------------------------------------
+
+    async def run(self, out: asyncio.Queue) -> None:
+        """Start groups as the budget allows and put complete ones on ``out``;
+        runs until cancelled (cancellation cancels every group in flight)."""
+        eval_task = asyncio.create_task(self._eval_loop()) if self.cfg.eval_every and self.eval_cubes else None
+        try:
+            while True:
+                await self.admit()
+                ref = self.next_task()
+                index = self.started_groups
+                self.started_groups += 1
+                self._spawn(self._run_group(ref, index, out))
+        finally:
+            if eval_task:
+                eval_task.cancel()
+            await self.cancel_all()
+
+    def _spawn(self, coro) -> asyncio.Task:
+        t = asyncio.create_task(coro)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+        return t
+
+    async def cancel_all(self) -> None:
+        tasks = list(self._tasks)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _run_group(self, ref: CubeTaskRef, index: int, out: asyncio.Queue) -> None:
+        group_id = f"g{index:07d}"
+        start_version = self.versions.version
+        self.in_flight_groups += 1
+        self.max_in_flight_groups = max(self.max_in_flight_groups, self.in_flight_groups)
+        try:
+            results = await asyncio.gather(*(
+                self._episode_with_retries(ref, f"{group_id}/e{j}", group_id, self.stats[ref.cube_id])
+                for j in range(self.cfg.attempts)
+            ))
+        finally:
+            self.in_flight_groups -= 1
+        stats = self.stats[ref.cube_id]
+        if any(r is None for r in results):
+            stats.groups_dropped += 1
+            log.warning("group.dropped", group=group_id, cube=ref.cube_id, task=ref.task_id,
+                        failed=sum(r is None for r in results))
+            return
+        stats.groups += 1
+        await out.put(Group(group_id, ref, start_version, results))
+
+    async def _episode_with_retries(self, ref, episode_id, group_id, stats: CubeStats) -> EpisodeResult | None:
+        for attempt in range(self.cfg.max_retries + 1):
+            try:
+                result = await self._one_episode(ref, episode_id, group_id)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # cube/engine failures are retried, never fatal
+                log.warning("episode.failed", episode=episode_id, cube=ref.cube_id, task=ref.task_id,
+                            attempt=attempt, error=repr(e))
+                if attempt == self.cfg.max_retries:
+                    stats.errors += 1
+                    return None
+                stats.retries += 1
+                await asyncio.sleep(min(self.cfg.retry_backoff_s * 2**attempt, self.cfg.retry_backoff_max_s))
+                continue
+            stats.record(result)
+            return result
+        return None
+
+    async def _one_episode(self, ref, episode_id, group_id) -> EpisodeResult:
+        async with self._slots:
+            self.episodes_in_flight += 1
+            try:
+                task = await self.cubes[ref.cube_id].open_task(ref.task_id)
+                return await run_episode(self.client, self.renderer, task, self.episode, episode_id,
+                                         group_id, lambda: self.versions.version)
+            finally:
+                self.episodes_in_flight -= 1
+
+    # -- evaluation --------------------------------------------------------------
+
+    async def _eval_loop(self) -> None:
+        last = None
+        while True:
+            v = self.versions.version
+            if v % self.cfg.eval_every == 0 and v != last:
+                last = v
+                report = await self.evaluate(v)
+                if self.on_eval:
+                    self.on_eval(report)
+            await self.versions.wait_changed()
+
+    async def evaluate(self, version: int, episodes: int | None = None) -> EvalReport:
+        """Run ``episodes`` test episodes per eval cube (cycling through the
+        test split) within the eval share of the capacity."""
+        n = episodes or self.cfg.eval_episodes
+        stats = {cid: CubeStats() for cid in self.eval_cubes}
+
+        async def one(cid: str, i: int) -> None:
+            ids = self._test_ids[cid]
+            ref = CubeTaskRef(cid, ids[i % len(ids)])
+            async with self._eval_slots:
+                self.eval_in_flight += 1
+                self.max_eval_in_flight = max(self.max_eval_in_flight, self.eval_in_flight)
+                try:
+                    await self._episode_with_retries(ref, f"eval-v{version}-{cid}-{i}", f"eval-v{version}",
+                                                     stats[cid])
+                finally:
+                    self.eval_in_flight -= 1
+
+        await asyncio.gather(*(one(cid, i) for cid in self.eval_cubes if self._test_ids[cid] for i in range(n)))
+        self.eval_stats = stats
+        report = EvalReport(version, {cid: s.summary() for cid, s in stats.items()})
+        log.info("eval.done", version=version, **{f"{c}_success": round(s.success_rate, 3) for c, s in stats.items()})
+        return report

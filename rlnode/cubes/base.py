@@ -1,0 +1,144 @@
+"""The cube contract: what an episode may ask of a benchmark.
+
+A *cube* is a benchmark: a set of tasks split into train and test, the tools
+an agent may call, and a way to score an episode. One ``CubeTask`` is one
+episode's environment: ``reset`` -> observation, ``step(action)`` ->
+observation, reward, done, info, error; ``evaluate`` -> reward, success;
+``close``. Everything is async: a cube whose code blocks must run it in a
+thread or a process (``run_blocking``), never on the event loop.
+
+Owns: the types that cross the agent <-> cube boundary. Must not know about
+engines, tokens or training: the agent loop (``rlnode/actor/episode.py``)
+turns completions into ``Action``s and observations into prompt tokens.
+
+Errors: ``CubeError`` is recoverable (the scheduler retries the episode);
+a ``StepResult.error`` is an error *observation* the agent sees (bad tool
+arguments, unknown tool), not a failure of the episode.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+from typing import Any, Callable, Literal, TypeVar
+
+import msgspec
+
+T = TypeVar("T")
+
+
+class CubeError(RuntimeError):
+    """The cube failed (server down, task crashed): retry the episode."""
+
+
+class CubeTaskRef(msgspec.Struct, frozen=True, array_like=True):
+    """Addresses a task across all cubes of a run."""
+
+    cube_id: str
+    task_id: str
+
+
+class ToolSpec(msgspec.Struct):
+    """A tool the agent may call; ``parameters`` is a JSON schema."""
+
+    name: str
+    description: str = ""
+    parameters: dict[str, Any] = {}
+
+    def as_chat_tool(self) -> dict[str, Any]:
+        """The OpenAI/HF chat-template form (``tools=[...]``)."""
+        return {
+            "type": "function",
+            "function": {"name": self.name, "description": self.description, "parameters": self.parameters},
+        }
+
+
+class ToolCall(msgspec.Struct):
+    name: str
+    arguments: dict[str, Any] = {}
+
+
+class Action(msgspec.Struct):
+    """What the agent did in one turn: its text (tool-call markup removed)
+    and the tool calls parsed from it. ``parse_error`` is set when the
+    completion tried to call a tool but the call was malformed."""
+
+    text: str
+    tool_calls: list[ToolCall] = []
+    parse_error: str | None = None
+
+
+class Reset(msgspec.Struct):
+    observation: str  # the first user message
+    system: str | None = None  # optional system prompt
+    info: dict[str, Any] = {}
+
+
+class StepResult(msgspec.Struct):
+    observation: str  # shown to the agent next (unless done)
+    reward: float = 0.0
+    done: bool = False
+    info: dict[str, Any] = {}
+    # An error the agent should see (bad arguments, unknown tool); the episode
+    # goes on. Counted per cube.
+    error: str | None = None
+    # How the observation is rendered: a tool response or a user message.
+    role: Literal["tool", "user"] = "user"
+
+
+class Evaluation(msgspec.Struct):
+    reward: float
+    success: bool
+    info: dict[str, Any] = {}
+
+
+class CubeTask(abc.ABC):
+    """One episode's environment. Used by one coroutine at a time."""
+
+    ref: CubeTaskRef
+
+    @abc.abstractmethod
+    async def reset(self) -> Reset: ...
+
+    @abc.abstractmethod
+    def tools(self) -> list[ToolSpec]:
+        """Tools offered to the agent (valid after reset)."""
+
+    @abc.abstractmethod
+    async def step(self, action: Action) -> StepResult: ...
+
+    @abc.abstractmethod
+    async def evaluate(self) -> Evaluation:
+        """Score the episode (after done, or when the agent ran out of turns)."""
+
+    async def close(self) -> None:
+        """Release the task's resources. Called exactly once, also on error
+        and cancellation."""
+
+
+Split = Literal["train", "test"]
+
+
+class Cube(abc.ABC):
+    """A benchmark. ``cube_id`` is its name in this run."""
+
+    cube_id: str
+
+    async def start(self) -> None:
+        """Bring the benchmark up (spawn a server, open files)."""
+
+    @abc.abstractmethod
+    async def task_ids(self, split: Split) -> list[str]:
+        """Task ids of a split; train and test must be disjoint."""
+
+    @abc.abstractmethod
+    async def open_task(self, task_id: str) -> CubeTask:
+        """A fresh environment for one episode of ``task_id``."""
+
+    async def close(self) -> None:
+        """Tear the benchmark down."""
+
+
+async def run_blocking(fn: Callable[..., T], *args: Any) -> T:
+    """Run blocking cube code in a worker thread, off the event loop."""
+    return await asyncio.to_thread(fn, *args)
