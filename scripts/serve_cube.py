@@ -18,7 +18,8 @@ One deliberate change of lifecycle: cube-standard 0.1.0rc10's ``cube/close``
 closes the task but leaves its task-server process (forked by ``cube/spawn``)
 running until the benchmark server exits, so a training run would pile up one
 idle uvicorn process per episode. Here a task server stops itself right after
-it has answered ``cube/close``.
+it has answered ``cube/close``. Task servers also log at ``--log-level``
+(upstream: "info", a line per request).
 """
 
 from __future__ import annotations
@@ -67,9 +68,23 @@ def _task_app_that_exits_on_close(task):
     return wrapper
 
 
+class _UvicornAtOurLogLevel:
+    """``cube.server``'s view of uvicorn: task servers it starts log at our
+    level (upstream leaves them at "info": one line per request)."""
+
+    def __getattr__(self, name):
+        return getattr(uvicorn, name)
+
+    @staticmethod
+    def run(app, **kwargs):
+        kwargs.setdefault("log_level", os.environ.get("SERVE_CUBE_LOG_LEVEL", "warning"))
+        return uvicorn.run(app, **kwargs)
+
+
 # Module level on purpose: a ``spawn``/``forkserver`` child re-imports this file
-# as ``__mp_main__`` and gets the patch too; ``fork`` children inherit it.
+# as ``__mp_main__`` and gets the patches too; ``fork`` children inherit them.
 cube.server.make_task_jsonrpc_app = _task_app_that_exits_on_close
+cube.server.uvicorn = _UvicornAtOurLogLevel()
 
 
 def _benchmark_config(name: str, subset: str | None):
@@ -81,6 +96,10 @@ def _benchmark_config(name: str, subset: str | None):
     return config.named_subset(subset) if subset else config
 
 
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(0)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--benchmark", required=True, help="cube.benchmarks entry-point name")
@@ -89,8 +108,14 @@ def main() -> None:
     parser.add_argument("--subset", default=None, help="a named subset of the benchmark")
     parser.add_argument("--log-level", default="warning")
     args = parser.parse_args()
+    os.environ["SERVE_CUBE_LOG_LEVEL"] = args.log_level  # read by the task servers
     logging.basicConfig(level=args.log_level.upper())
     benchmark = _benchmark_config(args.benchmark, args.subset).make(None)
+    # uvicorn re-raises SIGTERM after its graceful stop; with the default
+    # handler that kills us before `finally` and before multiprocessing reaps
+    # the task servers. Turned into SystemExit, both run (task servers inherit
+    # this through fork and exit cleanly too).
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         app = cube.server.make_benchmark_jsonrpc_app(benchmark)
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

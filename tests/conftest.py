@@ -30,7 +30,32 @@ async def engine(tiny_model_dir, engine_config):
     from rlnode.actor.engine import Engine
     from rlnode.config import ModelConfig
 
-    eng = Engine(0, ModelConfig(path=str(tiny_model_dir), max_model_len=512), engine_config)
+    eng = Engine(0, ModelConfig(path=str(tiny_model_dir), max_model_len=1024), engine_config)
     await eng.start()
     yield eng
     await eng.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def hf_model(tiny_model_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+def reference_logprobs(model, prompt, completion, temperature=1.0):
+    """log pi(completion | prompt) per token under transformers, at T."""
+    import torch
+
+    ids = torch.tensor([list(prompt) + list(completion)])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].float() / temperature
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(list(completion))[:, None])[:, 0]

@@ -45,7 +45,8 @@ class JsonlRecord(msgspec.Struct):
     metadata: dict[str, Any] = {}
 
 
-def read_jsonl(path: str | Path) -> list[JsonlRecord]:
+def read_jsonl(path: str | Path, id_prefix: str = "") -> list[JsonlRecord]:
+    """Records of a JSONL file; lines without an id get ``{id_prefix}line{N}``."""
     decoder = msgspec.json.Decoder(JsonlRecord)
     records = []
     with open(path, "rb") as f:
@@ -57,7 +58,7 @@ def read_jsonl(path: str | Path) -> list[JsonlRecord]:
             except msgspec.DecodeError as e:
                 raise CubeError(f"{path}:{n}: {e}") from None
             if rec.id is None:
-                rec.id = f"line{n}"
+                rec.id = f"{id_prefix}line{n}"
             records.append(rec)
     return records
 
@@ -104,7 +105,7 @@ class JsonlCube(Cube):
             test = [r for r in records if self._is_test(r)]
             train = [r for r in records if not self._is_test(r)]
         else:
-            train, test = read_jsonl(o.train_path), read_jsonl(o.test_path)
+            train, test = read_jsonl(o.train_path, "train-"), read_jsonl(o.test_path, "test-")
         self._splits = {"train": train, "test": test}
         self._by_id = {str(r.id): r for r in records_of(train, test)}
 

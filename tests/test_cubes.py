@@ -1,0 +1,164 @@
+"""Built-in cubes, the registry and tool-call parsing, driven by scripted
+actions (no LLM: these are the cube rules themselves)."""
+
+import json
+import sys
+
+import msgspec
+import pytest
+
+from rlnode.actor.episode import parse_action
+from rlnode.cubes.base import Action, CubeError, ToolCall
+from rlnode.cubes.registry import UnknownCube, cube_class, make_cube
+
+
+def act(text="", calls=()):
+    return Action(text=text, tool_calls=[ToolCall(n, a) for n, a in calls])
+
+
+async def test_guessing_range_feedback_and_binary_search_wins():
+    cube = make_cube("g", "guessing", {"max_number": 8, "max_turns": 4}, seed=3)
+    for tid in (await cube.task_ids("test"))[:20]:
+        task = await cube.open_task(tid)
+        await task.reset()
+        lo, hi, done = 1, 8, False
+        while not done:
+            guess = (lo + hi) // 2
+            r = await task.step(act(str(guess)))
+            done = r.done
+            if not done:
+                assert r.observation.startswith(("Higher", "Lower"))
+                lo, hi = map(int, r.observation.rstrip(".").split("between ")[1].split(" and "))
+        ev = await task.evaluate()
+        assert ev.success and ev.reward == 1.0
+
+
+async def test_guessing_ends_after_max_turns_and_counts_bad_replies():
+    cube = make_cube("g", "guessing", {"max_number": 8, "max_turns": 3, "feedback": "direction"}, seed=0)
+    task = await cube.open_task("train-00000")
+    target = cube.target("train-00000")
+    wrong = 1 if target != 1 else 2
+    r1 = await task.step(act("no idea"))
+    assert r1.error and not r1.done
+    r2 = await task.step(act(f"I guess {wrong}"))
+    assert r2.observation in ("Higher.", "Lower.") and not r2.done
+    r3 = await task.step(act(str(wrong)))
+    assert r3.done and r3.reward == 0.0
+    assert (await task.evaluate()).success is False
+    assert cube.feedback_ignoring_success() == pytest.approx(3 / 8)
+
+
+async def test_guessing_is_deterministic_and_splits_disjoint():
+    a = make_cube("g", "guessing", {}, seed=1)
+    b = make_cube("g", "guessing", {}, seed=1)
+    ids = await a.task_ids("train")
+    assert [a.target(t) for t in ids[:50]] == [b.target(t) for t in ids[:50]]
+    assert not set(ids) & set(await a.task_ids("test"))
+    assert len({a.target(t) for t in ids[:200]}) == 8  # every number occurs
+
+
+async def test_arithmetic_submit_answer_and_disjoint_splits():
+    cube = make_cube("a", "arithmetic", {"max_operand": 9, "ops": ["+", "*"]}, seed=5)
+    train = {cube.problem(t)[0] for t in await cube.task_ids("train")}
+    test = {cube.problem(t)[0] for t in await cube.task_ids("test")}
+    assert train and test and not train & test
+    assert len(train) + len(test) == 10 * 2 * 10
+    tid = (await cube.task_ids("test"))[0]
+    question, answer = cube.problem(tid)
+    task = await cube.open_task(tid)
+    assert question in (await task.reset()).observation
+    assert [t.name for t in task.tools()] == ["submit_answer"]
+    r = await task.step(act("", [("submit_answer", {"answer": answer + 1})]))
+    assert r.done and r.reward == 0.0
+    task = await cube.open_task(tid)
+    bad = await task.step(act("the answer is 3"))
+    assert bad.error == "no tool call" and not bad.done
+    unknown = await task.step(act("", [("calculator", {"x": 1})]))
+    assert unknown.error and "unknown tool" in unknown.error
+    missing = await task.step(act("", [("submit_answer", {"value": 1})]))
+    assert missing.error == "missing argument: answer"
+    ok = await task.step(act("", [("submit_answer", {"answer": str(answer)})]))
+    assert ok.done and ok.reward == 1.0
+    assert (await task.evaluate()).success
+
+
+async def test_jsonl_single_file_split_and_scoring(tmp_path):
+    f = tmp_path / "qa.jsonl"
+    rows = [{"question": f"capital #{i}?", "answer": "Paris" if i % 2 else 3.5, "id": f"q{i}"} for i in range(200)]
+    f.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    cube = make_cube("j", "jsonl", {"path": str(f), "test_fraction": 0.25}, seed=0)
+    await cube.start()
+    train, test = await cube.task_ids("train"), await cube.task_ids("test")
+    assert not set(train) & set(test) and len(train) + len(test) == 200
+    assert 25 <= len(test) <= 75
+    t = await cube.open_task("q1")
+    await t.reset()
+    r = await t.step(act("", [("submit_answer", {"answer": " paris "})]))
+    assert r.reward == 1.0
+    t = await cube.open_task("q2")
+    r = await t.step(act("", [("submit_answer", {"answer": "3.50"})]))
+    assert r.reward == 1.0  # numeric match
+
+
+async def test_jsonl_text_mode_and_explicit_files(tmp_path):
+    (tmp_path / "tr.jsonl").write_text('{"question": "1+1?", "answer": 2}\n')
+    (tmp_path / "te.jsonl").write_text('{"question": "2+2?", "answer": 4, "metadata": {"src": "x"}}\n')
+    cube = make_cube("j", "jsonl", {"train_path": str(tmp_path / "tr.jsonl"), "test_path": str(tmp_path / "te.jsonl"),
+                                    "answer_mode": "text"}, seed=0)
+    await cube.start()
+    assert await cube.task_ids("train") == ["train-line1"]
+    assert await cube.task_ids("test") == ["test-line1"]
+    task = await cube.open_task((await cube.task_ids("test"))[0])
+    assert task.tools() == []
+    r = await task.step(act("It is 4."))
+    assert r.done and r.reward == 1.0
+
+
+async def test_jsonl_bad_line_names_file_and_line(tmp_path):
+    f = tmp_path / "bad.jsonl"
+    f.write_text('{"question": "a", "answer": 1}\n{"question": 5}\n')
+    cube = make_cube("j", "jsonl", {"path": str(f)}, seed=0)
+    with pytest.raises(CubeError, match=r"bad\.jsonl:2:"):
+        await cube.start()
+
+
+def test_registry_unknown_and_entry_point(tmp_path, monkeypatch):
+    with pytest.raises(UnknownCube, match="unknown cube kind 'nope'"):
+        cube_class("nope")
+    # A plug-in package, installed the way pip would: a dist-info with an
+    # entry point in the rlnode.cubes group.
+    pkg = tmp_path / "mycube_pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text(
+        "from rlnode.cubes.guessing import GuessingCube\n"
+        "class MyCube(GuessingCube):\n    kind = 'my-cube'\n")
+    dist = tmp_path / "mycube_pkg-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: mycube-pkg\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[rlnode.cubes]\nmy-cube = mycube_pkg:MyCube\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cls = cube_class("my-cube")
+    assert cls.__name__ == "MyCube" and cls.__module__ == "mycube_pkg"
+    cube = make_cube("mine", "my-cube", {"max_number": 4}, seed=0)
+    assert cube.opts.max_number == 4
+    with pytest.raises(msgspec.ValidationError):
+        make_cube("mine", "my-cube", {"max_number": "four"}, seed=0)
+    sys.modules.pop("mycube_pkg", None)
+
+
+def test_parse_action_variants():
+    a = parse_action('Let me answer. <tool_call>{"name": "submit_answer", "arguments": {"answer": 4}}</tool_call><|im_end|>')
+    assert a.tool_calls == [ToolCall("submit_answer", {"answer": 4})]
+    assert a.text == "Let me answer. <|im_end|>" and a.parse_error is None
+    s = parse_action('<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>')
+    assert s.tool_calls == [ToolCall("f", {"x": 1})]
+    two = parse_action('<tool_call>{"name": "a"}</tool_call><tool_call>{"name": "b", "arguments": {}}</tool_call>')
+    assert [c.name for c in two.tool_calls] == ["a", "b"]
+    bad = parse_action('<tool_call>{"name": "f", "arguments": {</tool_call>')
+    assert bad.tool_calls == [] and "invalid tool call" in bad.parse_error
+    wrong_shape = parse_action('<tool_call>["f"]</tool_call>')
+    assert wrong_shape.parse_error and not wrong_shape.tool_calls
+    open_ = parse_action('<tool_call>{"name": "f"')
+    assert open_.parse_error == "unterminated <tool_call>"
+    plain = parse_action("42")
+    assert plain == Action(text="42")
