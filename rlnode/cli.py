@@ -57,6 +57,16 @@ def build_parser() -> argparse.ArgumentParser:
                     help="hidden size, a multiple of the head dim 64 (default 128)")
     tm.add_argument("--if-missing", action="store_true", help="do nothing if OUT_DIR already holds a model")
 
+    ev = sub.add_parser("eval", help="score a model on the test split of the configured cubes (no trainer)")
+    _add_config_args(ev)
+    ev.add_argument("--model", metavar="PATH", help="model directory to score (overrides model.path)")
+    ev.add_argument("--cube", action="append", metavar="ID",
+                    help="cube id to evaluate (repeatable; default: every cube with eval = true)")
+    ev.add_argument("--episodes", type=int, metavar="N",
+                    help="test episodes per cube (default actor.scheduler.eval_episodes)")
+    ev.add_argument("--json", action="store_true",
+                    help="print one JSON object keyed by cube id instead of a table")
+
     bench = sub.add_parser("bench", help="run a benchmark and print a table (or --json)")
     bench.add_argument("name", choices=BENCHES, help="router: AdmissionRouter+Engine vs direct AsyncLLM vs vllm serve")
     _add_config_args(bench)
@@ -88,6 +98,11 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.command == "tiny-model":
         return _cmd_tiny_model(args)
+    if args.command == "eval":
+        cfg = _load(args)
+        from rlnode.evaluate import main_eval
+
+        return main_eval(cfg, args)
     if args.command == "bench":
         cfg = _load(args)
         from rlnode.bench import run_bench

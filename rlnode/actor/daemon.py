@@ -10,13 +10,24 @@ from __future__ import annotations
 
 import asyncio
 
-from rlnode.actor.engine import Engine
+from rlnode.actor.engine import Engine, SamplingSettings
+from rlnode.actor.episode import EpisodeSettings
 from rlnode.actor.generation import LLMClient
 from rlnode.actor.router import AdmissionRouter
 from rlnode.config import Config
 from rlnode.log import get_logger
 
 log = get_logger("rlnode.actor")
+
+
+def episode_settings(cfg: Config) -> EpisodeSettings:
+    s = cfg.actor.sampling
+    return EpisodeSettings(
+        sampling=SamplingSettings(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p),
+        max_turns=cfg.actor.episode.max_turns,
+        max_model_len=cfg.model.max_model_len,
+        min_completion_tokens=cfg.actor.episode.min_completion_tokens,
+    )
 
 
 class ActorDaemon:

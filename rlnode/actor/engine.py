@@ -242,4 +242,7 @@ class Engine:
             llm.output_handler = None
         t0 = time.monotonic()
         await asyncio.to_thread(llm.shutdown, self.SHUTDOWN_TIMEOUT_S)
+        # AsyncLLM.__del__ calls shutdown() again, at interpreter exit when
+        # module globals are gone, and prints a TypeError. It is done already.
+        llm.shutdown = lambda timeout=None: None
         log.info("engine.stopped", engine=self.engine_id, shutdown_s=round(time.monotonic() - t0, 2))

@@ -250,9 +250,11 @@ class RolloutScheduler:
                     self.on_eval(report)
             await self.versions.wait_changed()
 
-    async def evaluate(self, version: int, episodes: int | None = None) -> EvalReport:
+    async def evaluate(self, version: int, episodes: int | None = None,
+                       on_episode: Callable[[str], None] | None = None) -> EvalReport:
         """Run ``episodes`` test episodes per eval cube (cycling through the
-        test split) within the eval share of the capacity."""
+        test split) within the eval share of the capacity. ``on_episode(cube_id)``
+        is called as each one ends (progress bars)."""
         n = episodes or self.cfg.eval_episodes
         stats = {cid: CubeStats() for cid in self.eval_cubes}
 
@@ -267,6 +269,8 @@ class RolloutScheduler:
                                                      stats[cid])
                 finally:
                     self.eval_in_flight -= 1
+                    if on_episode:
+                        on_episode(cid)
 
         await asyncio.gather(*(one(cid, i) for cid in self.eval_cubes if self._test_ids[cid] for i in range(n)))
         self.eval_stats = stats

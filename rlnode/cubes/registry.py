@@ -69,3 +69,24 @@ def parse_options(kind: str, options: dict[str, Any]) -> Any:
 def make_cube(cube_id: str, kind: str, options: dict[str, Any], seed: int) -> Cube:
     cls = cube_class(kind)
     return cls(cube_id, parse_options(kind, options), seed)
+
+
+async def open_cubes(specs, seed: int) -> dict[str, Cube]:
+    """Build and start every configured cube (``CubeConfig``s); if one fails
+    to start, the ones already started are closed again."""
+    cubes: dict[str, Cube] = {}
+    try:
+        for spec in specs:
+            cube = make_cube(spec.id, spec.kind, spec.options, seed)
+            await cube.start()
+            cubes[spec.id] = cube
+    except BaseException:
+        await close_cubes(cubes)
+        raise
+    return cubes
+
+
+async def close_cubes(cubes: dict[str, Cube]) -> None:
+    import asyncio
+
+    await asyncio.gather(*(c.close() for c in cubes.values()), return_exceptions=True)

@@ -1,0 +1,73 @@
+"""``rlnode eval``: score a model on the test split of the configured cubes,
+with no trainer. How a user scores a checkpoint, and how anyone checks that
+a cube works before training on it.
+
+Owns nothing long-lived: it starts the actor's engines, runs the scheduler's
+evaluation, prints a table (or one JSON object) and shuts everything down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import msgspec
+
+from rlnode.config import Config
+
+
+async def run_eval(cfg: Config, cube_ids: list[str], episodes: int | None, show_progress: bool) -> dict[str, dict]:
+    from transformers import AutoTokenizer
+
+    from rlnode.actor.daemon import ActorDaemon, episode_settings
+    from rlnode.actor.episode import ChatRenderer
+    from rlnode.actor.scheduler import RolloutScheduler, VersionSource
+    from rlnode.cubes.registry import close_cubes, open_cubes
+
+    specs = [c for c in cfg.actor.cubes if c.id in cube_ids] if cube_ids else [c for c in cfg.actor.cubes if c.eval]
+    missing = set(cube_ids) - {c.id for c in cfg.actor.cubes}
+    if missing:
+        raise SystemExit(f"rlnode eval: no cube with id {', '.join(sorted(missing))} in the config")
+    if not specs:
+        raise SystemExit("rlnode eval: no cubes to evaluate (add [[actor.cubes]] to the config)")
+    n = episodes or cfg.actor.scheduler.eval_episodes
+    # All of this node's capacity goes to evaluation.
+    sched_cfg = msgspec.structs.replace(cfg.actor.scheduler, eval_share=1.0)
+    actor = ActorDaemon(cfg)
+    cubes = await open_cubes(specs, cfg.run.seed)
+    try:
+        await actor.start()
+        tok = AutoTokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.path)
+        sched = RolloutScheduler(cubes, {c: 0.0 for c in cubes}, list(cubes), actor.client, ChatRenderer(tok),
+                                 sched_cfg, episode_settings(cfg), VersionSource(0), seed=cfg.run.seed)
+        await sched.prepare()
+        bar = None
+        if show_progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=n * len(cubes), desc="eval", unit="ep", file=sys.stderr)
+        report = await sched.evaluate(0, n, on_episode=(lambda _cid: bar.update()) if bar else None)
+        if bar:
+            bar.close()
+        return report.cubes
+    finally:
+        await close_cubes(cubes)
+        await actor.shutdown()
+
+
+def print_eval_table(results: dict[str, dict]) -> None:
+    print(f"{'cube':<20}{'episodes':>10}{'success':>10}{'reward':>10}{'turns':>8}{'errors':>8}")
+    for cid, r in results.items():
+        print(f"{cid:<20}{r['episodes']:>10}{r['success_rate']:>10.3f}{r['reward_mean']:>10.3f}"
+              f"{r['turns_mean']:>8.2f}{r['errors']:>8}")
+
+
+def main_eval(cfg: Config, args) -> int:
+    if args.model:
+        cfg.model.path = args.model
+    results = asyncio.run(run_eval(cfg, args.cube or [], args.episodes, show_progress=not args.json))
+    if args.json:
+        print(msgspec.json.encode(results).decode())
+    else:
+        print_eval_table(results)
+    return 0
