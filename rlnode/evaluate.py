@@ -17,41 +17,34 @@ from rlnode.config import Config
 
 
 async def run_eval(cfg: Config, cube_ids: list[str], episodes: int | None, show_progress: bool) -> dict[str, dict]:
-    from transformers import AutoTokenizer
+    from msgspec.structs import replace
 
-    from rlnode.actor.daemon import ActorDaemon, episode_settings
-    from rlnode.actor.episode import ChatRenderer
-    from rlnode.actor.scheduler import RolloutScheduler, VersionSource
-    from rlnode.cubes.registry import close_cubes, open_cubes
+    from rlnode.actor.daemon import ActorDaemon
 
-    specs = [c for c in cfg.actor.cubes if c.id in cube_ids] if cube_ids else [c for c in cfg.actor.cubes if c.eval]
     missing = set(cube_ids) - {c.id for c in cfg.actor.cubes}
     if missing:
         raise SystemExit(f"rlnode eval: no cube with id {', '.join(sorted(missing))} in the config")
+    specs = [c for c in cfg.actor.cubes if (c.id in cube_ids if cube_ids else c.eval)]
     if not specs:
         raise SystemExit("rlnode eval: no cubes to evaluate (add [[actor.cubes]] to the config)")
     n = episodes or cfg.actor.scheduler.eval_episodes
-    # All of this node's capacity goes to evaluation.
-    sched_cfg = msgspec.structs.replace(cfg.actor.scheduler, eval_share=1.0)
-    actor = ActorDaemon(cfg)
-    cubes = await open_cubes(specs, cfg.run.seed)
+    # Evaluation only: no cube is trained on, and all of this node's episode
+    # capacity goes to evaluation.
+    actor_cfg = replace(cfg.actor, cubes=[replace(c, weight=0.0, eval=True) for c in specs],
+                        scheduler=replace(cfg.actor.scheduler, eval_share=1.0))
+    actor = ActorDaemon(replace(cfg, actor=actor_cfg))
+    await actor.start()
     try:
-        await actor.start()
-        tok = AutoTokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.path)
-        sched = RolloutScheduler(cubes, {c: 0.0 for c in cubes}, list(cubes), actor.client, ChatRenderer(tok),
-                                 sched_cfg, episode_settings(cfg), VersionSource(0), seed=cfg.run.seed)
-        await sched.prepare()
         bar = None
         if show_progress:
             from tqdm import tqdm
 
-            bar = tqdm(total=n * len(cubes), desc="eval", unit="ep", file=sys.stderr)
-        report = await sched.evaluate(0, n, on_episode=(lambda _cid: bar.update()) if bar else None)
+            bar = tqdm(total=n * len(specs), desc="eval", unit="ep", file=sys.stderr)
+        report = await actor.scheduler.evaluate(0, n, on_episode=(lambda _cid: bar.update()) if bar else None)
         if bar:
             bar.close()
         return report.cubes
     finally:
-        await close_cubes(cubes)
         await actor.shutdown()
 
 

@@ -5,10 +5,13 @@ engine start costs ~20 s on a 2-core machine."""
 from __future__ import annotations
 
 import os
+import subprocess
+from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="session")
@@ -59,3 +62,19 @@ def reference_logprobs(model, prompt, completion, temperature=1.0):
     with torch.no_grad():
         logits = model(ids).logits[0, len(prompt) - 1 : -1].float() / temperature
     return torch.log_softmax(logits, -1).gather(1, torch.tensor(list(completion))[:, None])[:, 0]
+
+
+@pytest.fixture(scope="session")
+def cube_python() -> str:
+    """The cube-standard venv's python, built (or found up to date) by the
+    script ``make test`` relies on."""
+    try:
+        done = subprocess.run(["bash", str(ROOT / "scripts" / "cube_server_venv.sh")],
+                              capture_output=True, text=True, timeout=600)
+    except subprocess.TimeoutExpired:
+        pytest.skip("cube_server_venv.sh ran past 600 s (no package index reachable?)")
+    if done.returncode != 0:
+        # In CI the registry is reachable: a broken build is a failure there.
+        (pytest.fail if os.environ.get("CI") else pytest.skip)(f"cannot build the cube-standard venv (needs Python >= 3.12 and PyPI): "
+                    f"{done.stderr.strip()[-500:]}")
+    return done.stdout.strip().splitlines()[-1]

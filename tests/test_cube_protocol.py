@@ -32,21 +32,6 @@ ROOT = Path(__file__).resolve().parents[1]
 # -- (a) the real arithmetic-cube server ------------------------------------
 
 
-@pytest.fixture(scope="session")
-def cube_python() -> str:
-    """The cube-standard venv's python, built (or found up to date) by the
-    script ``make test`` relies on."""
-    try:
-        done = subprocess.run(["bash", str(ROOT / "scripts" / "cube_server_venv.sh")],
-                              capture_output=True, text=True, timeout=600)
-    except subprocess.TimeoutExpired:
-        pytest.skip("cube_server_venv.sh ran past 600 s (no package index reachable?)")
-    if done.returncode != 0:
-        pytest.skip(f"cannot build the cube-standard venv (needs Python >= 3.12 and PyPI): "
-                    f"{done.stderr.strip()[-500:]}")
-    return done.stdout.strip().splitlines()[-1]
-
-
 def _answer(question: str) -> int:
     m = re.search(r"(-?\d+)\s*([-+*])\s*(-?\d+)", question)
     if m is None:

@@ -117,3 +117,28 @@ async def test_task_closed_on_cancel(client, renderer, engine):
         await t
     assert closed == [True]
     assert client.router.in_flight == [0]
+
+
+async def test_episode_against_real_cube_standard_server(cube_python, client, renderer, hf_model, tokenizer):
+    """The agent loop driving a real cube-standard benchmark (arithmetic-cube,
+    its own Python 3.12 server): reward comes from the server's cube/evaluate."""
+    from conftest import ROOT
+
+    cube = make_cube("arith-rpc", "cube-protocol", {
+        "command": [cube_python, str(ROOT / "scripts" / "serve_cube.py"),
+                    "--benchmark", "arithmetic-cube", "--port", "{port}"],
+    }, seed=0)
+    await cube.start()
+    try:
+        tid = ((await cube.task_ids("train")) or (await cube.task_ids("test")))[0]
+        settings = EpisodeSettings(SamplingSettings(max_tokens=12, seed=3), max_turns=3, max_model_len=1024)
+        before = cube.stats().rpc_calls
+        result = await run_episode(client, renderer, await cube.open_task(tid), settings, "ep5", "grp5")
+        assert result.cube_id == "arith-rpc" and result.num_turns >= 1
+        assert result.reward == 0.0 and not result.success  # a random policy does not solve it
+        check_samples(result, hf_model, settings, tokenizer)
+        counters = cube.stats()
+        assert counters.rpc_calls > before and counters.rpc_errors == 0
+        assert counters.tasks_spawned == counters.tasks_closed == 1
+    finally:
+        await cube.close()
