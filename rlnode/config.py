@@ -152,13 +152,102 @@ class ActorConfig(_Section):
     cubes: list[CubeConfig] = []
 
 
+class LossConfig(_Section):
+    # Policy loss (formulas in rlnode/trainer/loss.py):
+    #   "tis_reinforce": -A * logpi * sg(min(r, is_cap)), r = exp(logpi - logmu)
+    #   "ppo_clip":      -min(r*A, clip(r, 1-eps_low, 1+eps_high)*A)
+    #   "gspo":          PPO-clip on the sequence-level ratio (geometric mean over tokens)
+    kind: Literal["tis_reinforce", "ppo_clip", "gspo"] = "tis_reinforce"
+    # Truncation c of the importance weight for "tis_reinforce", > 0.
+    is_cap: PositiveFloat = 2.0
+    # PPO clip range [1 - eps_low, 1 + eps_high] ("ppo_clip"), each in (0, 1).
+    eps_low: Annotated[float, Meta(gt=0, lt=1)] = 0.2
+    eps_high: Annotated[float, Meta(gt=0, lt=1)] = 0.28
+    # GSPO clip range on the sequence ratio ("gspo"), each in (0, 1).
+    gspo_eps_low: Annotated[float, Meta(gt=0, lt=1)] = 3e-4
+    gspo_eps_high: Annotated[float, Meta(gt=0, lt=1)] = 4e-4
+    # Weight of KL(pi || reference) (k3 estimator) to the frozen initial
+    # policy; 0 = no reference model is kept.
+    kl_coef: Annotated[float, Meta(ge=0)] = 0.0
+    # "tokens": sum over every trained token / tokens in the step;
+    # "sequences": per-sample token mean, then mean over samples.
+    normalize: Literal["tokens", "sequences"] = "tokens"
+
+
+class AdvantageConfig(_Section):
+    # Baseline subtracted from each episode's reward within its group:
+    # "mean" (group mean) or "leave_one_out" (mean of the other episodes).
+    baseline: Literal["mean", "leave_one_out"] = "mean"
+    # Divide by the group's reward std (+ 1e-6) (GRPO-style).
+    std_normalize: bool = False
+
+
+class OptimConfig(_Section):
+    # AdamW learning rate (peak, after warm-up), > 0.
+    lr: PositiveFloat = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: Annotated[float, Meta(ge=0)] = 0.0
+    # Linear warm-up from 0 over this many optimizer steps.
+    warmup_steps: NonNegInt = 0
+    # After warm-up: "constant", or "cosine"/"linear" decay to min_lr_ratio *
+    # lr at max_steps.
+    schedule: Literal["constant", "cosine", "linear"] = "constant"
+    min_lr_ratio: Annotated[float, Meta(ge=0, le=1)] = 0.1
+    # Clip the global gradient norm; 0 = no clipping.
+    max_grad_norm: Annotated[float, Meta(ge=0)] = 1.0
+
+
+class WeightSyncConfig(_Section):
+    # torch.distributed backend for the weight broadcast: "auto" = nccl when
+    # the trainer is on cuda, else gloo.
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    # Tensors are packed into flat buffers of about this size (MiB), one
+    # collective each.
+    bucket_mb: PositiveInt = 64
+    # Host the engines' workers reach the trainer's rendezvous on; empty =
+    # trainer.advertise_host.
+    master_host: str = ""
+    # First TCP port tried for a new group epoch (each epoch takes a fresh
+    # free port from here).
+    base_port: Annotated[int, Meta(ge=1024, le=65000)] = 29500
+
+
+class LinkConfig(_Section):
+    # CurveZMQ: directory with this node's key pair and the keys it trusts
+    # (made by `rlnode keygen DIR`); empty = no encryption/authentication.
+    curve_dir: str = ""
+    # Seconds between heartbeats; a peer silent for peer_timeout_s is gone.
+    heartbeat_s: PositiveFloat = 1.0
+    peer_timeout_s: PositiveFloat = 10.0
+
+
 class TrainerConfig(_Section):
-    # Address the trainer binds its control/sample sockets on.
+    # Address the trainer binds its ZeroMQ socket on.
     bind_host: str = "0.0.0.0"
-    # Base TCP port (control = port, samples = port + 1).
+    # TCP port of the trainer's ZeroMQ socket (actors' --peers).
     port: Annotated[int, Meta(ge=1, le=65535)] = 5555
+    # Address actors use to reach this trainer for the weight broadcast
+    # rendezvous (defaults to 127.0.0.1 for single-machine runs).
+    advertise_host: str = "127.0.0.1"
     # Device for the trainer model: "auto" = cuda if available, else cpu.
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # Optimizer steps to run; 0 = until stopped.
+    max_steps: NonNegInt = 0
+    # Samples per micro-batch (gradient accumulation splits a step).
+    micro_batch_size: PositiveInt = 64
+    # Train only on samples of the current version and make generation wait
+    # for each update (synchronous RL, for comparison).
+    sync: bool = False
+    # Save a checkpoint every N optimizer steps (and at shutdown); 0 = only
+    # at shutdown.
+    checkpoint_every: NonNegInt = 50
+    # Checkpoints kept in run_dir/checkpoints (oldest removed first).
+    keep_checkpoints: PositiveInt = 2
+    loss: LossConfig = field(default_factory=LossConfig)
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    weights: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    link: LinkConfig = field(default_factory=LinkConfig)
 
 
 class RunConfig(_Section):
