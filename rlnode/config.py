@@ -213,8 +213,11 @@ class WeightSyncConfig(_Section):
 
 
 class LinkConfig(_Section):
-    # CurveZMQ: directory with this node's key pair and the keys it trusts
-    # (made by `rlnode keygen DIR`); empty = no encryption/authentication.
+    """The actor <-> trainer ZeroMQ link (both roles read it)."""
+
+    # CurveZMQ: directory made by `rlnode keygen DIR` (the trainer's key pair,
+    # the actors' key pairs, the list of actor keys the trainer accepts);
+    # empty = no encryption and no authentication.
     curve_dir: str = ""
     # Seconds between heartbeats; a peer silent for peer_timeout_s is gone.
     heartbeat_s: PositiveFloat = 1.0
@@ -247,7 +250,6 @@ class TrainerConfig(_Section):
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     weights: WeightSyncConfig = field(default_factory=WeightSyncConfig)
-    link: LinkConfig = field(default_factory=LinkConfig)
 
 
 class RunConfig(_Section):
@@ -264,6 +266,7 @@ class Config(_Section):
     model: ModelConfig = field(default_factory=ModelConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    link: LinkConfig = field(default_factory=LinkConfig)
 
 
 # ---------------------------------------------------------------------------
