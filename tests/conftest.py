@@ -33,7 +33,7 @@ async def engine(tiny_model_dir, engine_config):
     from rlnode.actor.engine import Engine
     from rlnode.config import ModelConfig
 
-    eng = Engine(0, ModelConfig(path=str(tiny_model_dir), max_model_len=1024), engine_config)
+    eng = Engine(0, ModelConfig(path=str(tiny_model_dir), max_model_len=2048), engine_config)
     await eng.start()
     yield eng
     await eng.shutdown()

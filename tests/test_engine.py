@@ -93,6 +93,6 @@ async def test_cancel_aborts_request_in_engine(engine, hf):
 async def test_prompt_too_long_is_an_engine_error(engine):
     failed = engine.requests_failed
     with pytest.raises(EngineError):
-        await engine.generate([50] * 1100, SamplingSettings(max_tokens=4))
+        await engine.generate([50] * 2100, SamplingSettings(max_tokens=4))
     assert engine.requests_failed == failed + 1
     assert engine.in_flight == 0

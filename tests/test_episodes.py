@@ -60,7 +60,7 @@ async def test_builtin_cube_episode(kind, options, role, client, renderer, engin
     cube = make_cube(kind, kind, options, seed=0)
     await cube.start()
     tid = (await cube.task_ids("train"))[0]
-    settings = EpisodeSettings(SamplingSettings(max_tokens=12, temperature=1.0, seed=7), max_turns=4, max_model_len=1024)
+    settings = EpisodeSettings(SamplingSettings(max_tokens=12, temperature=1.0, seed=7), max_turns=4, max_model_len=2048)
     result = await run_episode(client, renderer, await cube.open_task(tid), settings, "ep1", "grp1")
     assert result.cube_id == kind and result.task_id == tid
     assert result.num_turns >= 2  # a random policy never finishes in one turn... except by luck on guessing
@@ -74,7 +74,7 @@ async def test_jsonl_episode_and_temperature(client, renderer, hf_model, tokeniz
     f.write_text("\n".join(json.dumps({"question": f"{i}+1?", "answer": i + 1}) for i in range(20)))
     cube = make_cube("mine", "jsonl", {"path": str(f)}, seed=0)
     await cube.start()
-    settings = EpisodeSettings(SamplingSettings(max_tokens=10, temperature=0.7, seed=1), max_turns=3, max_model_len=1024)
+    settings = EpisodeSettings(SamplingSettings(max_tokens=10, temperature=0.7, seed=1), max_turns=3, max_model_len=2048)
     tid = (await cube.task_ids("train"))[0]
     result = await run_episode(client, renderer, await cube.open_task(tid), settings, "ep2", "grp2")
     assert result.num_turns == 3 and result.termination_reason == "max_turns"
@@ -108,7 +108,7 @@ async def test_task_closed_on_cancel(client, renderer, engine):
         await orig()
 
     task.close = close
-    settings = EpisodeSettings(SamplingSettings(max_tokens=400, ignore_eos=True), max_turns=4, max_model_len=1024)
+    settings = EpisodeSettings(SamplingSettings(max_tokens=400, ignore_eos=True), max_turns=4, max_model_len=2048)
     t = asyncio.create_task(run_episode(client, renderer, task, settings, "ep4", "grp4"))
     while engine.in_flight == 0:
         await asyncio.sleep(0.01)
@@ -131,7 +131,7 @@ async def test_episode_against_real_cube_standard_server(cube_python, client, re
     await cube.start()
     try:
         tid = ((await cube.task_ids("train")) or (await cube.task_ids("test")))[0]
-        settings = EpisodeSettings(SamplingSettings(max_tokens=12, seed=3), max_turns=3, max_model_len=1024)
+        settings = EpisodeSettings(SamplingSettings(max_tokens=12, seed=3), max_turns=3, max_model_len=2048)
         before = cube.stats().rpc_calls
         result = await run_episode(client, renderer, await cube.open_task(tid), settings, "ep5", "grp5")
         assert result.cube_id == "arith-rpc" and result.num_turns >= 1

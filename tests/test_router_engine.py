@@ -75,7 +75,7 @@ async def test_cancelled_callers_free_their_leases(engine):
 async def test_engine_errors_free_their_leases(engine):
     router = AdmissionRouter(num_engines=1, llm_max_rollouts=2)
     client = LLMClient([engine], router)
-    too_long = [50] * 1100  # > max_model_len of the test engine
+    too_long = [50] * 2100  # > max_model_len of the test engine
     results = await asyncio.gather(
         *(client.generate(too_long, SamplingSettings(max_tokens=4)) for _ in range(5)),
         return_exceptions=True,

@@ -1,0 +1,231 @@
+"""RL math against values worked out by hand (rlnode/trainer/loss.py).
+
+The shared 2x3 example (row 1 has one padding token, holding garbage that
+must not leak):
+    logpi  = [[-1, -2, -0.5], [-1, -3, pad]]
+    r      = [[ 1,  4,  0.5], [ 2, 0.5, pad]]     (logmu = logpi - ln r)
+    A      = [2, -1]
+    5 trained tokens, 2 samples.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rlnode.config import AdvantageConfig, LossConfig
+from rlnode.trainer.loss import LossInputs, group_advantages, policy_loss, zero_signal_groups
+
+LN2 = math.log(2.0)
+
+
+def close(actual, expected, tol=1e-5):
+    expected = torch.as_tensor(expected, dtype=torch.float32)
+    torch.testing.assert_close(torch.as_tensor(actual, dtype=torch.float32), expected, rtol=tol, atol=tol)
+
+
+# --------------------------------------------------------------- advantages
+def test_advantages_mean_baseline():
+    # group 0: mean 0.25 -> [0.75, -0.25, -0.25, -0.25]; group 1: all equal -> 0
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 0.0], [2.0, 2.0, 2.0, 2.0]])
+    adv = group_advantages(rewards, AdvantageConfig(baseline="mean"))
+    close(adv, [[0.75, -0.25, -0.25, -0.25], [0.0, 0.0, 0.0, 0.0]])
+
+
+def test_advantages_leave_one_out():
+    # [3, 1, 2]: 3 - mean(1,2) = 1.5; 1 - mean(3,2) = -1.5; 2 - mean(3,1) = 0
+    # [1, 0, 0]: 1 - 0 = 1; 0 - mean(1,0) = -0.5 (twice)
+    rewards = torch.tensor([[3.0, 1.0, 2.0], [1.0, 0.0, 0.0]])
+    adv = group_advantages(rewards, AdvantageConfig(baseline="leave_one_out"))
+    close(adv, [[1.5, -1.5, 0.0], [1.0, -0.5, -0.5]])
+
+
+def test_advantages_std_normalize_uses_population_std():
+    # [1, 0, 0, 0]: mean 0.25, population var = (0.75^2 + 3 * 0.25^2) / 4 = 0.1875,
+    # std = 0.4330127 -> 0.75 / std = 1.7320508 (sqrt 3), -0.25 / std = -0.5773503.
+    # (A sample std, 0.5, would give 1.5 and -0.5.) Equal group: 0 / (0 + 1e-6) = 0.
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 0.0], [2.0, 2.0, 2.0, 2.0]])
+    adv = group_advantages(rewards, AdvantageConfig(std_normalize=True))
+    close(adv, [[1.7320508, -0.5773503, -0.5773503, -0.5773503], [0.0] * 4])
+    # leave-one-out then std: [1, -1/3, -1/3, -1/3] / 0.4330127
+    adv = group_advantages(rewards, AdvantageConfig(baseline="leave_one_out", std_normalize=True))
+    close(adv, [[2.3094011, -0.7698004, -0.7698004, -0.7698004], [0.0] * 4])
+
+
+@pytest.mark.parametrize("baseline", ["mean", "leave_one_out"])
+@pytest.mark.parametrize("std_normalize", [False, True])
+def test_advantages_single_attempt_is_zero(baseline, std_normalize):
+    rewards = torch.tensor([[0.7], [0.2]])
+    adv = group_advantages(rewards, AdvantageConfig(baseline=baseline, std_normalize=std_normalize))
+    assert adv.tolist() == [[0.0], [0.0]]
+
+
+@pytest.mark.parametrize("std_normalize", [False, True])
+def test_zero_signal_groups(std_normalize):
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 0.0], [2.0, 2.0, 2.0, 2.0], [0.5, 0.5, 0.5, 0.5], [0.0, 0.0, 0.0, 1.0]])
+    adv = group_advantages(rewards, AdvantageConfig(std_normalize=std_normalize))
+    assert zero_signal_groups(adv).tolist() == [False, True, True, False]
+
+
+# --------------------------------------------------------------------- loss
+def example(ref_d=None) -> LossInputs:
+    logpi = torch.tensor([[-1.0, -2.0, -0.5], [-1.0, -3.0, 7.0]], requires_grad=True)
+    r = torch.tensor([[1.0, 4.0, 0.5], [2.0, 0.5, 1.0]])
+    logmu = logpi.detach() - r.log()
+    logmu[1, 2] = -5.0  # padding garbage: unmasked it would give r = e^12
+    ref = None
+    if ref_d is not None:  # ref = logpi + d
+        ref = logpi.detach() + torch.tensor(ref_d)
+        ref[1, 2] = 50.0
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    return LossInputs(logpi, logmu, torch.tensor([2.0, -1.0]), mask, ref)
+
+
+def run(cfg: LossConfig, normalizer: float, ref_d=None):
+    inp = example(ref_d)
+    out = policy_loss(inp, cfg, normalizer)
+    out.loss.backward()
+    return out, inp.logprobs.grad
+
+
+def test_tis_reinforce_tokens():
+    # l = -A logpi min(r, 2):
+    #   row 0 (A=2):  -2*-1*1 = 2,  -2*-2*2 = 8,  -2*-0.5*0.5 = 0.5
+    #   row 1 (A=-1):  1*-1*2 = -2,  1*-3*0.5 = -1.5
+    # loss = (10.5 - 3.5) / 5 = 1.4; grad = -A min(r, 2) / 5, 0 on padding
+    out, grad = run(LossConfig(kind="tis_reinforce", is_cap=2.0), normalizer=5)
+    close(out.loss, 1.4)
+    close(grad, [[-0.4, -0.8, -0.2], [0.4, 0.1, 0.0]])
+    # ratio mean (1+4+0.5+2+0.5)/5 = 1.6, max 4 (not the padding's e^12);
+    # only r=4 > 2 is truncated: 1/5; |logpi - logmu| = (0 + 2ln2 + 3 ln2)/5 = ln2
+    m = out.metrics
+    assert m["tokens"] == 5
+    close([m["ratio_mean"], m["ratio_max"], m["clip_fraction"], m["logprob_diff_mean"]], [1.6, 4.0, 0.2, LN2])
+    assert "kl" not in m
+
+
+def test_tis_reinforce_sequences():
+    # per-sample token mean: row 0: 10.5/3 = 3.5, row 1: -3.5/2 = -1.75
+    # loss = (3.5 - 1.75) / 2 samples = 0.875
+    # grad row 0: [-2, -4, -1] / 3 / 2; row 1: [2, 0.5] / 2 / 2
+    out, grad = run(LossConfig(kind="tis_reinforce", normalize="sequences"), normalizer=2)
+    close(out.loss, 0.875)
+    close(grad, [[-1 / 3, -2 / 3, -1 / 6], [0.5, 0.125, 0.0]])
+
+
+def test_ppo_clip():
+    # clip range [0.8, 1.28]; l = -min(r A, clip(r) A), grad = -A r unless clipped
+    #   row 0, A=2:  r=1:   min(2, 2) = 2          -> l=-2,    grad -2
+    #                r=4:   min(8, 2.56) = 2.56    -> l=-2.56, clipped, grad 0
+    #                r=0.5: min(1, 1.6) = 1        -> l=-1,    grad -1 (low side, A>0: not clipped)
+    #   row 1, A=-1: r=2:   min(-2, -1.28) = -2    -> l=2,     grad 2 (high side, A<0: not clipped)
+    #                r=0.5: min(-0.5, -0.8) = -0.8 -> l=0.8,   clipped, grad 0
+    # loss = (-2 - 2.56 - 1 + 2 + 0.8) / 5 = -0.552; clip_fraction 2/5
+    out, grad = run(LossConfig(kind="ppo_clip", eps_low=0.2, eps_high=0.28), normalizer=5)
+    close(out.loss, -0.552)
+    close(grad, [[-0.4, 0.0, -0.2], [0.4, 0.0, 0.0]])
+    close(out.metrics["clip_fraction"], 0.4)
+    close(out.metrics["ratio_max"], 4.0)
+
+
+def test_gspo_unclipped():
+    # s_0 = exp((0 + ln4 - ln2)/3) = 2^(1/3) = 1.2599210 (inside [0.8, 1.3])
+    # s_1 = exp((ln2 - ln2)/2) = 1
+    # tokens: l = -A s per token: row 0: 3 * -2.5198421, row 1: 2 * 1
+    #   loss = (-7.5595263 + 2) / 5 = -1.1119053
+    #   grad = -A s_i / 5 on every token: row 0 -0.5039684, row 1 0.2
+    #   (PPO's per-token -A r_t / 5 would give row 1 [0.4, 0.1])
+    cfg = LossConfig(kind="gspo", gspo_eps_low=0.2, gspo_eps_high=0.3)
+    out, grad = run(cfg, normalizer=5)
+    close(out.loss, -1.1119053)
+    close(grad, [[-0.5039684] * 3, [0.2, 0.2, 0.0]])
+    assert out.metrics["clip_fraction"] == 0.0
+    # sequences (the paper's objective): (-2.5198421 + 1) / 2 = -0.7599210,
+    # grad = -A s_i / |y_i| / 2: row 0 -2*1.2599210/3/2 = -0.4199737, row 1 1/2/2
+    cfg = LossConfig(kind="gspo", gspo_eps_low=0.2, gspo_eps_high=0.3, normalize="sequences")
+    out, grad = run(cfg, normalizer=2)
+    close(out.loss, -0.7599210)
+    close(grad, [[-0.4199737] * 3, [0.25, 0.25, 0.0]])
+
+
+def test_gspo_clipped_sequence():
+    # clip range [0.8, 1.2]: s_0 = 1.2599 > 1.2 with A > 0 -> the whole sequence is
+    # clipped: l = -1.2 * 2 = -2.4 per token, grad 0. Row 1 as before.
+    # loss = (3 * -2.4 + 2 * 1) / 5 = -1.04; clip_fraction = 3 tokens / 5
+    out, grad = run(LossConfig(kind="gspo", gspo_eps_low=0.2, gspo_eps_high=0.2), normalizer=5)
+    close(out.loss, -1.04)
+    close(grad, [[0.0, 0.0, 0.0], [0.2, 0.2, 0.0]])
+    close(out.metrics["clip_fraction"], 0.6)
+
+
+def test_kl_k3_term():
+    # d = ref - logpi = [[0, ln2, -ln2], [ln3, 0, pad]]; k3 = e^d - d - 1:
+    #   0, 2 - 0.6931472 - 1 = 0.3068528, 0.5 + 0.6931472 - 1 = 0.1931472,
+    #   3 - 1.0986123 - 1 = 0.9013877, 0  -> sum 1.4013877, mean 0.2802775
+    # dk3/dlogpi = 1 - e^d = [[0, -1, 0.5], [-2, 0]]
+    # loss = tis 1.4 + 0.5 * 1.4013877 / 5 = 1.5401388
+    # grad = tis grad + 0.5 * (1 - e^d) / 5 = [[-0.4, -0.9, -0.15], [0.2, 0.1, 0]]
+    d = [[0.0, LN2, -LN2], [math.log(3.0), 0.0, 0.0]]
+    out, grad = run(LossConfig(kind="tis_reinforce", kl_coef=0.5), normalizer=5, ref_d=d)
+    close(out.loss, 1.5401388)
+    close(grad, [[-0.4, -0.9, -0.15], [0.2, 0.1, 0.0]])
+    close(out.metrics["kl"], 0.2802775)
+
+
+def test_kl_needs_reference():
+    with pytest.raises(ValueError, match="ref_logprobs"):
+        policy_loss(example(), LossConfig(kl_coef=0.1), 5)
+
+
+# ------------------------------------------------ micro-batching and padding
+def random_batch(B: int = 6, T: int = 5) -> LossInputs:
+    g = torch.Generator().manual_seed(0)
+    logmu = -torch.rand(B, T, generator=g) * 3
+    logpi = (logmu + torch.randn(B, T, generator=g) * 0.5).requires_grad_()
+    lengths = torch.tensor([5, 3, 0, 1, 4, 2])  # row 2 is all padding
+    mask = torch.arange(T)[None, :] < lengths[:, None]
+    ref = logmu + torch.randn(B, T, generator=g) * 0.3
+    return LossInputs(logpi, logmu, torch.randn(B, generator=g), mask, ref)
+
+
+def slice_batch(inp: LossInputs, sl: slice, logpi: torch.Tensor) -> LossInputs:
+    return LossInputs(logpi[sl], inp.behaviour_logprobs[sl], inp.advantages[sl], inp.mask[sl], inp.ref_logprobs[sl])
+
+
+@pytest.mark.parametrize("kind", ["tis_reinforce", "ppo_clip", "gspo"])
+@pytest.mark.parametrize("normalize", ["tokens", "sequences"])
+def test_micro_batches_sum_to_the_whole_batch(kind, normalize):
+    cfg = LossConfig(kind=kind, normalize=normalize, kl_coef=0.1, gspo_eps_low=0.2, gspo_eps_high=0.2)
+    inp = random_batch()
+    # one normalizer for the whole step: 15 trained tokens, or 6 samples
+    norm = float(inp.mask.sum()) if normalize == "tokens" else 6.0
+
+    whole = policy_loss(inp, cfg, norm)
+    whole.loss.backward()
+    grad_whole = inp.logprobs.grad.clone()
+
+    logpi = inp.logprobs.detach().clone().requires_grad_()
+    losses = [policy_loss(slice_batch(inp, sl, logpi), cfg, norm).loss for sl in (slice(0, 2), slice(2, 6))]
+    total = losses[0] + losses[1]
+    total.backward()
+
+    close(total, whole.loss)
+    close(logpi.grad, grad_whole)
+    assert torch.isfinite(grad_whole).all()
+    assert (grad_whole[~inp.mask] == 0).all()  # padding gets no gradient
+    assert grad_whole[0].abs().sum() > 0
+
+
+@pytest.mark.parametrize("kind", ["tis_reinforce", "ppo_clip", "gspo"])
+def test_all_padding_batch_is_zero_not_nan(kind):
+    inp = random_batch()
+    inp.mask = torch.zeros_like(inp.mask)
+    inp.logprobs.data[0, 0] = float("nan")  # garbage under padding
+    out = policy_loss(inp, LossConfig(kind=kind, kl_coef=0.1), normalizer=1.0)
+    out.loss.backward()
+    assert out.loss.item() == 0.0
+    assert (inp.logprobs.grad == 0).all()
+    assert out.metrics == {"tokens": 0.0, "ratio_mean": 0.0, "ratio_max": 0.0, "clip_fraction": 0.0,
+                           "logprob_diff_mean": 0.0, "kl": 0.0}
