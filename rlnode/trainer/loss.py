@@ -1,0 +1,149 @@
+"""The RL math: group advantages and the policy-gradient loss.
+
+Owns: the formulas below, and nothing else. No model, optimizer or I/O: the
+trainer computes log pi_theta, builds one LossInputs per micro-batch, calls
+policy_loss and backprops `loss`. Knobs and defaults live in config.py
+(LossConfig, AdvantageConfig); this file must not invent its own.
+
+Notation. One sample i = one LLM call (prompt + completion); t = a completion
+token of it. Every LLM call of an episode carries the episode's advantage A.
+  logpi = log pi_theta(y_t)   current policy, carries the gradient
+  logmu = log mu(y_t)         behaviour policy (the engine's sampler), no grad
+  r_t   = exp(logpi - logmu)  per-token importance ratio
+  sg(x) = x.detach()          stop-gradient
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rlnode.config import AdvantageConfig, LossConfig
+
+STD_EPS = 1e-6  # added to the group std before dividing (all-equal groups -> 0)
+
+
+# ---------------------------------------------------------------------------
+# Advantages, per group of A attempts of one task with rewards R_1..R_A:
+#   "mean":          adv_j = R_j - (1/A) sum_k R_k
+#   "leave_one_out": adv_j = R_j - 1/(A-1) sum_{k!=j} R_k = A/(A-1) (R_j - mean)
+#                    (0 when A == 1: there is no other episode to compare to)
+#   std_normalize:   adv_j /= std(R) + 1e-6, with the POPULATION std
+#                    sqrt((1/A) sum_k (R_k - mean)^2): defined for A == 1, and
+#                    0 exactly when every reward is equal, so such groups stay 0.
+def group_advantages(rewards: torch.Tensor, cfg: AdvantageConfig) -> torch.Tensor:
+    r = rewards.float()  # [G, A]
+    A = r.shape[1]
+    adv = r - r.mean(dim=1, keepdim=True)  # [G, A]
+    if cfg.baseline == "leave_one_out":
+        adv = adv * (A / max(A - 1, 1))  # A == 1: r - mean is already 0
+    if cfg.std_normalize:
+        adv = adv / (r.std(dim=1, correction=0, keepdim=True) + STD_EPS)
+    return adv  # [G, A]
+
+
+def zero_signal_groups(adv: torch.Tensor, atol: float = 1e-6) -> torch.Tensor:
+    """adv [G, A] -> bool [G]: groups with no learning signal (every episode
+    got the same reward). The trainer skips and counts them."""
+    return (adv.abs() <= atol).all(dim=1)
+
+
+# ---------------------------------------------------------------------------
+@dataclass
+class LossInputs:
+    """One micro-batch, right-padded to T tokens."""
+
+    logprobs: torch.Tensor  # [B, T] log pi_theta of each completion token (grad)
+    behaviour_logprobs: torch.Tensor  # [B, T] log mu from the engine (no grad)
+    advantages: torch.Tensor  # [B] the sample's episode advantage
+    mask: torch.Tensor  # [B, T] 1/True = trained completion token, 0 = padding
+    ref_logprobs: torch.Tensor | None = None  # [B, T] frozen reference (KL only)
+
+
+@dataclass
+class LossOutput:
+    loss: torch.Tensor  # scalar: this micro-batch's share of the step's loss
+    # Over this micro-batch's masked tokens: tokens, ratio_mean, ratio_max
+    # (token ratios r_t, gspo too), clip_fraction, logprob_diff_mean
+    # (mean |logpi - logmu|), kl (kl_coef > 0). Combine micro-batches by
+    # weighting the means with metrics["tokens"].
+    metrics: dict[str, float]
+
+
+# Per-token loss l_t (A = the sample's advantage, c = is_cap):
+#   "tis_reinforce": l_t = -A * logpi * sg(min(r_t, c))
+#       truncated-IS REINFORCE: grad_logpi = -A * min(r_t, c).
+#   "ppo_clip":      l_t = -min(r_t A, clip(r_t, 1-eps_low, 1+eps_high) A)
+#       grad_logpi = -A r_t, or 0 where the min picks the clipped term.
+#   "gspo":          s_i = exp((1/|y_i|) sum_t (logpi - logmu))  sequence ratio,
+#       l_t = -min(s_it A, clip(s_it, 1-gspo_eps_low, 1+gspo_eps_high) A),
+#       s_it = sg(s_i) * exp(logpi - sg(logpi)) (value s_i; GSPO-token form),
+#       so grad_logpi = -A s_i on every token of an unclipped sequence.
+#   KL (kl_coef > 0): l_t += kl_coef * k3_t,
+#       k3_t = exp(ref - logpi) - (ref - logpi) - 1  (>= 0; Schulman's k3 of KL(pi||ref)).
+# clip_fraction = share of tokens whose ratio was cut: r_t > c (tis), the
+# min picked the clipped term (ppo_clip; per sequence, counted per token, gspo).
+#
+# Normalisation (N = `normalizer`, given by the caller for the WHOLE optimizer
+# step, so summing micro-batch losses equals the loss of one big batch):
+#   "tokens":    loss = sum_i sum_t l_t / N,             N = trained tokens in step
+#   "sequences": loss = sum_i (1/|y_i|) sum_t l_t / N,   N = samples in step
+# With "sequences", gspo is the paper's objective exactly (its gradient per
+# token is -A s_i / |y_i|); with "tokens" longer samples weigh more.
+def policy_loss(inp: LossInputs, cfg: LossConfig, normalizer: float) -> LossOutput:
+    if normalizer <= 0:
+        raise ValueError(f"normalizer must be > 0, got {normalizer}")
+    if cfg.kl_coef > 0 and inp.ref_logprobs is None:
+        raise ValueError("loss.kl_coef > 0 needs ref_logprobs")
+    m = inp.mask.bool()  # [B, T]
+    n_tok = m.sum(dim=1).clamp(min=1)  # [B]; all-padding rows divide by 1, not 0
+    # Padding is set to 0 first, so garbage (inf, nan) there cannot leak.
+    logpi = torch.where(m, inp.logprobs.float(), 0.0)  # [B, T]
+    logmu = torch.where(m, inp.behaviour_logprobs.detach().float(), 0.0)
+    adv = inp.advantages.detach().float()[:, None]  # [B, 1]
+    log_ratio = logpi - logmu  # [B, T], 0 on padding
+    ratio = log_ratio.detach().exp()  # [B, T], 1 on padding
+
+    if cfg.kind == "tis_reinforce":
+        per_tok = -adv * logpi * ratio.clamp(max=cfg.is_cap)
+        clipped = ratio > cfg.is_cap
+    elif cfg.kind == "ppo_clip":
+        r = log_ratio.exp()  # [B, T], with grad
+        surr, surr_clip = r * adv, r.clamp(1 - cfg.eps_low, 1 + cfg.eps_high) * adv
+        per_tok = -torch.minimum(surr, surr_clip)
+        clipped = surr_clip < surr
+    elif cfg.kind == "gspo":
+        seq = (log_ratio.sum(dim=1) / n_tok).detach().exp()[:, None]  # [B, 1] s_i
+        s = seq * (logpi - logpi.detach()).exp()  # [B, T], value s_i
+        surr, surr_clip = s * adv, s.clamp(1 - cfg.gspo_eps_low, 1 + cfg.gspo_eps_high) * adv
+        per_tok = -torch.minimum(surr, surr_clip)
+        clipped = surr_clip < surr
+    else:
+        raise ValueError(f"unknown loss.kind {cfg.kind!r}")
+
+    k3 = None
+    if cfg.kl_coef > 0:
+        d = torch.where(m, inp.ref_logprobs.detach().float(), 0.0) - logpi  # [B, T]
+        k3 = d.exp() - d - 1  # [B, T], 0 on padding
+        per_tok = per_tok + cfg.kl_coef * k3
+
+    per_tok = torch.where(m, per_tok, 0.0)  # [B, T]
+    if cfg.normalize == "tokens":
+        loss = per_tok.sum() / normalizer
+    else:
+        loss = (per_tok.sum(dim=1) / n_tok).sum() / normalizer
+
+    tokens = m.sum().float()
+    den = tokens.clamp(min=1)
+    stats = {
+        "tokens": tokens,
+        "ratio_mean": ratio.masked_fill(~m, 0.0).sum() / den,
+        "ratio_max": ratio.masked_fill(~m, 0.0).max(),  # r > 0: padding never wins
+        "clip_fraction": (clipped & m).sum() / den,
+        "logprob_diff_mean": log_ratio.detach().abs().sum() / den,
+    }
+    if k3 is not None:
+        stats["kl"] = k3.detach().sum() / den
+    values = torch.stack(list(stats.values())).tolist()  # one device sync
+    return LossOutput(loss=loss, metrics=dict(zip(stats, values)))
