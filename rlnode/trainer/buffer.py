@@ -1,0 +1,120 @@
+"""GroupBuffer: complete groups waiting to be trained, and the batch a step
+trains on.
+
+Owns: which groups the next optimizer step uses (oldest first), dropping
+samples that are too stale (policy version older than ``max_lag``), skipping
+groups without signal (every episode got the same reward), and the counters
+for each of those drops. Holds no model and no sockets.
+
+A sample's *lag* is ``trainer version - sample.policy_version``: how many
+updates happened between the policy that generated it and the one it is
+trained into.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from dataclasses import dataclass, field
+
+import torch
+
+from rlnode.config import AdvantageConfig
+from rlnode.trainer.loss import group_advantages, zero_signal_groups
+from rlnode.wire import GroupDelivery, TrainingSample
+
+
+@dataclass
+class Batch:
+    """What one optimizer step trains on."""
+
+    samples: list[TrainingSample]
+    advantages: list[float]  # one per sample: its episode's advantage
+    group_ids: list[str]  # every group consumed by this step (trained or skipped)
+    rewards: list[float]  # every episode reward of the consumed groups
+    successes: list[float]
+    lags: list[int]  # per trained sample
+    dropped_stale: int = 0
+    zero_signal_groups: int = 0
+    cubes: dict[str, list[float]] = field(default_factory=dict)  # cube id -> episode rewards
+
+
+@dataclass
+class BufferCounters:
+    groups_in: int = 0
+    groups_trained: int = 0
+    groups_zero_signal: int = 0
+    samples_dropped_stale: int = 0
+    groups_dropped_stale: int = 0
+
+
+class GroupBuffer:
+    def __init__(self, groups_per_step: int, max_lag: int, adv_cfg: AdvantageConfig):
+        self.groups_per_step = groups_per_step
+        self.max_lag = max_lag
+        self.adv_cfg = adv_cfg
+        self._groups: collections.deque[GroupDelivery] = collections.deque()
+        self._ids: set[str] = set()
+        self._changed = asyncio.Event()
+        self.counters = BufferCounters()
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+    def __contains__(self, group_id: str) -> bool:
+        return group_id in self._ids
+
+    def put(self, group: GroupDelivery) -> None:
+        self._groups.append(group)
+        self._ids.add(group.group_id)
+        self.counters.groups_in += 1
+        self._changed.set()
+
+    async def wait_ready(self) -> None:
+        while len(self._groups) < self.groups_per_step:
+            self._changed.clear()
+            await self._changed.wait()
+
+    def take_batch(self, version: int) -> Batch:
+        """Pop ``groups_per_step`` groups (oldest first) and build the batch
+        for training at ``version``."""
+        groups = [self._groups.popleft() for _ in range(min(self.groups_per_step, len(self._groups)))]
+        for g in groups:
+            self._ids.discard(g.group_id)
+        return build_batch(groups, version, self.max_lag, self.adv_cfg, self.counters)
+
+
+def build_batch(groups: list[GroupDelivery], version: int, max_lag: int, adv_cfg: AdvantageConfig,
+                counters: BufferCounters) -> Batch:
+    batch = Batch([], [], [g.group_id for g in groups], [], [], [])
+    if not groups:
+        return batch
+    # rewards [G, A]: groups are complete, so every row has `attempts` entries.
+    rewards = torch.tensor([[e.reward for e in g.episodes] for g in groups], dtype=torch.float64)
+    adv = group_advantages(rewards, adv_cfg)
+    silent = zero_signal_groups(adv)
+    for gi, g in enumerate(groups):
+        batch.rewards += [e.reward for e in g.episodes]
+        batch.successes += [float(e.success) for e in g.episodes]
+        batch.cubes.setdefault(g.cube_id, []).extend(e.reward for e in g.episodes)
+        if silent[gi]:
+            batch.zero_signal_groups += 1
+            counters.groups_zero_signal += 1
+            continue
+        by_episode = {e.episode_id: float(adv[gi, ei]) for ei, e in enumerate(g.episodes)}
+        fresh = 0
+        for s in g.samples:
+            lag = version - s.policy_version
+            if lag > max_lag:
+                batch.dropped_stale += 1
+                counters.samples_dropped_stale += 1
+                continue
+            batch.samples.append(s)
+            batch.advantages.append(by_episode[s.episode_id])
+            batch.lags.append(lag)
+            fresh += 1
+        if fresh == 0:
+            counters.groups_dropped_stale += 1
+        else:
+            counters.groups_trained += 1
+    return batch

@@ -1,0 +1,144 @@
+"""Checkpoints and the run directory's durable files.
+
+Owns: writing a checkpoint atomically (model, optimizer, lr scheduler,
+version, RNG states, the ids of consumed groups), finding and loading the
+latest one for ``--resume``, pruning old ones, the final Hugging Face policy
+directory, and the append-only ``metrics.jsonl``.
+
+Atomicity: a checkpoint is written into ``checkpoints/.tmp-step-N``, every
+file fsynced, then renamed to ``checkpoints/step-N`` (rename is atomic on one
+filesystem), then the ``latest`` pointer file is replaced atomically. A crash
+at any point leaves either the previous checkpoint or the new one, never a
+half-written one that ``--resume`` would pick.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja", "generation_config.json")
+
+
+def _fsync_tree(path: Path) -> None:
+    for p in sorted(path.rglob("*")):
+        if p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def save_hf_policy(model, model_src: str, out: Path) -> None:
+    """A directory transformers and vLLM load: weights + config + tokenizer."""
+    model.save_pretrained(out, safe_serialization=True)
+    for name in TOKENIZER_FILES:
+        src = Path(model_src) / name
+        if src.exists():
+            shutil.copy2(src, out / name)
+
+
+def rng_state() -> dict[str, Any]:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+
+
+class CheckpointManager:
+    def __init__(self, run_dir: str | Path, keep: int = 2):
+        self.run_dir = Path(run_dir)
+        self.dir = self.run_dir / "checkpoints"
+        self.keep = keep
+
+    def save(self, step: int, version: int, model, optimizer, scheduler, model_src: str,
+             consumed_ids: list[str], extra: dict[str, Any]) -> Path:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        name = f"step-{step:07d}"
+        tmp = self.dir / f".tmp-{name}"
+        final = self.dir / name
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        save_hf_policy(model, model_src, tmp / "policy")
+        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                    "rng": rng_state()}, tmp / "trainer_state.pt")
+        state = {"step": step, "version": version, "saved_at": time.time(),
+                 "consumed_group_ids": consumed_ids, **extra}
+        (tmp / "state.json").write_text(json.dumps(state))
+        _fsync_tree(tmp)
+        if final.exists():  # re-saving the same step (e.g. at shutdown): replace it
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _atomic_write_text(self.dir / "latest", name)
+        self._prune(keep_name=name)
+        return final
+
+    def _prune(self, keep_name: str) -> None:
+        done = sorted(p for p in self.dir.glob("step-*") if p.is_dir())
+        for old in done[: -self.keep]:
+            if old.name != keep_name:
+                shutil.rmtree(old, ignore_errors=True)
+
+    def latest(self) -> Path | None:
+        pointer = self.dir / "latest"
+        if not pointer.exists():
+            return None
+        path = self.dir / pointer.read_text().strip()
+        return path if (path / "state.json").exists() else None
+
+    def load(self, path: Path, model, optimizer, scheduler) -> dict[str, Any]:
+        """Load weights and trainer state in place; returns state.json."""
+        from safetensors.torch import load_file
+
+        weights = {}
+        for f in sorted((path / "policy").glob("*.safetensors")):
+            weights.update(load_file(f))
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+        # Tied lm_head is not stored separately; anything else missing is an error.
+        missing = [m for m in missing if not (m == "lm_head.weight" and model.config.tie_word_embeddings)]
+        if missing or unexpected:
+            raise RuntimeError(f"checkpoint {path} does not fit the model: missing={missing} unexpected={unexpected}")
+        trainer_state = torch.load(path / "trainer_state.pt", weights_only=False)
+        optimizer.load_state_dict(trainer_state["optimizer"])
+        scheduler.load_state_dict(trainer_state["scheduler"])
+        set_rng_state(trainer_state["rng"])
+        return json.loads((path / "state.json").read_text())
+
+
+class MetricsWriter:
+    """``metrics.jsonl``: one JSON object per line, flushed as written."""
+
+    def __init__(self, run_dir: str | Path):
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = open(self.path, "a", buffering=1)
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._f.write(json.dumps(record) + "\n")
+
+    def close(self) -> None:
+        self._f.close()

@@ -1,0 +1,161 @@
+"""Learner: the trainer's model, optimizer and one optimizer step.
+
+Owns: the policy (transformers, loaded from a local path), an optional frozen
+reference copy (KL), AdamW with warm-up and decay, gradient clipping, and
+turning a ``Batch`` into micro-batches whose token log-probabilities are
+scored at each sample's sampling temperature (``log_softmax(logits / T)``:
+the distribution the engine sampled from). Blocking: call ``train_step``
+from a worker thread, never on the event loop.
+
+Must not know about sockets, engines or the run directory.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from rlnode.config import Config
+from rlnode.trainer.buffer import Batch
+from rlnode.trainer.loss import LossInputs, policy_loss
+
+
+@dataclass
+class StepMetrics:
+    loss: float
+    grad_norm: float
+    lr: float
+    samples: int
+    tokens: int
+    logprob_diff_mean: float
+    extra: dict[str, float]
+    step_s: float
+
+
+def resolve_trainer_device(device: str) -> torch.device:
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(device)
+
+
+def lr_factor(step: int, warmup: int, total: int, schedule: str, min_ratio: float) -> float:
+    """Multiplier of the peak lr at optimizer step ``step`` (0-based)."""
+    if warmup and step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant" or total <= warmup:
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    if schedule == "linear":
+        return 1.0 - (1.0 - min_ratio) * progress
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class Learner:
+    def __init__(self, cfg: Config):
+        from transformers import AutoModelForCausalLM
+
+        self.cfg = cfg
+        t = cfg.trainer
+        self.device = resolve_trainer_device(t.device)
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(
+            cfg.model.dtype, torch.float32)
+        self.model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=dtype).to(self.device)
+        self.model.train()
+        self.ref_model = None
+        if t.loss.kl_coef > 0:
+            self.ref_model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=dtype).to(self.device).eval()
+            self.ref_model.requires_grad_(False)
+        o = t.optim
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=tuple(o.betas),
+                                           weight_decay=o.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer,
+            lambda step: lr_factor(step, o.warmup_steps, t.max_steps, o.schedule, o.min_lr_ratio),
+        )
+
+    # -- scoring -----------------------------------------------------------------
+
+    def _micro_batch(self, samples):
+        """Right-padded [B, L] inputs and, for completion tokens, their
+        positions; returns (input_ids, attention_mask, completion spans)."""
+        seqs = [torch.from_numpy(s.prompt_token_ids.astype("int64")) for s in samples]
+        comps = [torch.from_numpy(s.completion_token_ids.astype("int64")) for s in samples]
+        full = [torch.cat([p, c]) for p, c in zip(seqs, comps)]
+        L = max(len(f) for f in full)
+        ids = torch.zeros(len(full), L, dtype=torch.long)
+        attn = torch.zeros(len(full), L, dtype=torch.long)
+        for i, f in enumerate(full):
+            ids[i, : len(f)] = f
+            attn[i, : len(f)] = 1
+        spans = [(len(p), len(c)) for p, c in zip(seqs, comps)]
+        return ids.to(self.device), attn.to(self.device), spans
+
+    def token_logprobs(self, model, samples) -> tuple[torch.Tensor, torch.Tensor]:
+        """log pi(completion token) for every sample, padded: ([B, T], mask [B, T])."""
+        ids, attn, spans = self._micro_batch(samples)
+        logits = model(input_ids=ids, attention_mask=attn).logits.float()  # [B, L, V]
+        T = max(n for _, n in spans)
+        out = torch.zeros(len(samples), T, device=self.device)
+        mask = torch.zeros(len(samples), T, device=self.device)
+        for i, ((start, n), s) in enumerate(zip(spans, samples)):
+            # Logits at position j predict token j + 1.
+            step_logits = logits[i, start - 1 : start - 1 + n] / s.temperature
+            tok = ids[i, start : start + n]
+            out[i, :n] = torch.log_softmax(step_logits, -1).gather(1, tok[:, None])[:, 0]
+            mask[i, :n] = torch.from_numpy(s.completion_mask.astype("float32")).to(self.device)
+        return out, mask
+
+    # -- one optimizer step ---------------------------------------------------------
+
+    def train_step(self, batch: Batch) -> StepMetrics:
+        t0 = time.perf_counter()
+        cfg = self.cfg.trainer
+        samples = batch.samples
+        tokens = int(sum(int(s.completion_mask.sum()) for s in samples))
+        normalizer = float(tokens if cfg.loss.normalize == "tokens" else len(samples)) or 1.0
+        self.optimizer.zero_grad(set_to_none=True)
+        total_loss, diff_sum, agg = 0.0, 0.0, {}
+        mb = cfg.micro_batch_size
+        for i in range(0, len(samples), mb):
+            part = samples[i : i + mb]
+            logp, mask = self.token_logprobs(self.model, part)
+            mu = torch.zeros_like(logp)
+            for j, s in enumerate(part):
+                lp = torch.from_numpy(s.completion_logprobs.astype("float32"))
+                mu[j, : len(lp)] = lp.to(self.device)
+            ref = None
+            if self.ref_model is not None:
+                with torch.no_grad():
+                    ref, _ = self.token_logprobs(self.ref_model, part)
+            adv = torch.tensor(batch.advantages[i : i + mb], dtype=torch.float32, device=self.device)
+            out = policy_loss(LossInputs(logp, mu, adv, mask, ref), cfg.loss, normalizer)
+            out.loss.backward()
+            total_loss += float(out.loss)
+            diff_sum += out.metrics["logprob_diff_mean"] * out.metrics["tokens"]
+            # Micro-batch metrics are means over its tokens: weight by them.
+            for k, v in out.metrics.items():
+                agg.setdefault(k, []).append((float(v), out.metrics.get("tokens", 1.0)))
+        grad_norm = self._clip_and_step()
+        extra = {k: sum(v * n for v, n in vals) / max(1, sum(n for _, n in vals)) for k, vals in agg.items()}
+        return StepMetrics(
+            loss=total_loss, grad_norm=grad_norm, lr=self.scheduler.get_last_lr()[0], samples=len(samples),
+            tokens=tokens, logprob_diff_mean=diff_sum / max(1, tokens), extra=extra,
+            step_s=time.perf_counter() - t0,
+        )
+
+    def _clip_and_step(self) -> float:
+        max_norm = self.cfg.trainer.optim.max_grad_norm
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if not params:
+            self.scheduler.step()
+            return 0.0
+        if max_norm > 0:
+            norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        else:
+            norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))
+        self.optimizer.step()
+        self.scheduler.step()
+        return float(norm)

@@ -1,0 +1,81 @@
+"""The trainer's scoring, batch building and optimizer step on a tiny model
+(no engine: samples are drawn from the transformers model itself)."""
+
+import torch
+
+from conftest import reference_logprobs
+from rlnode.actor.router import LeaseMetadata
+from rlnode.config import AdvantageConfig, load_config
+from rlnode.trainer.buffer import BufferCounters, build_batch
+from rlnode.trainer.learner import Learner, lr_factor
+from rlnode.wire import EpisodeSummary, GroupDelivery, TrainingSample, pack_f32, pack_i32
+
+
+def make_sample(model, prompt, completion, episode_id, version, temperature=1.0, behaviour_shift=0.0):
+    lp = reference_logprobs(model, prompt, completion, temperature) + behaviour_shift
+    return TrainingSample(
+        sample_id=f"{episode_id}/0", group_id=episode_id.split("/")[0], episode_id=episode_id, cube_id="c",
+        task_id="t", step_index=0, prompt_ids=pack_i32(prompt), completion_ids=pack_i32(completion),
+        logprobs=pack_f32(lp.tolist()), loss_mask=bytes([1]) * len(completion), reward=0.0,
+        finish_reason="stop", termination_reason="done", policy_version=version, temperature=temperature,
+        lease=LeaseMetadata(1, 0, 0.0, 0.0),
+    )
+
+
+def group(gid, rewards, samples):
+    eps = [EpisodeSummary(f"{gid}/e{i}", r, r > 0, 1, "done") for i, r in enumerate(rewards)]
+    return GroupDelivery(gid, "n", "c", "t", 0, eps, samples)
+
+
+def test_scores_at_sampling_temperature(tiny_model_dir, hf_model):
+    cfg = load_config(None, [f"model.path={tiny_model_dir}", "trainer.device=\"cpu\""])
+    learner = Learner(cfg)
+    prompt, comp = [5, 6, 7, 8], [40, 41, 42]
+    for T in (1.0, 0.6):
+        s = make_sample(hf_model, prompt, comp, "g/e0", 0, temperature=T)
+        with torch.no_grad():
+            logp, mask = learner.token_logprobs(learner.model, [s, make_sample(hf_model, [9], [50], "g/e1", 0, T)])
+        ref = reference_logprobs(hf_model, prompt, comp, T)
+        assert (logp[0, :3] - ref).abs().max() < 1e-5
+        assert mask.tolist() == [[1, 1, 1], [1, 0, 0]]
+
+
+def test_batch_drops_stale_and_skips_zero_signal(hf_model):
+    counters = BufferCounters()
+    fresh = group("g1", [1.0, 0.0], [make_sample(hf_model, [5], [6], "g1/e0", 3),
+                                     make_sample(hf_model, [5], [7], "g1/e1", 1)])
+    silent = group("g2", [1.0, 1.0], [make_sample(hf_model, [5], [6], "g2/e0", 3),
+                                      make_sample(hf_model, [5], [6], "g2/e1", 3)])
+    batch = build_batch([fresh, silent], version=4, max_lag=1, adv_cfg=AdvantageConfig(), counters=counters)
+    assert [s.episode_id for s in batch.samples] == ["g1/e0"]  # g1/e1 has lag 3 > 1
+    assert batch.advantages == [0.5] and batch.lags == [1]
+    assert batch.dropped_stale == 1 and counters.samples_dropped_stale == 1
+    assert batch.zero_signal_groups == 1 and counters.groups_zero_signal == 1
+    assert batch.rewards == [1.0, 0.0, 1.0, 1.0] and batch.group_ids == ["g1", "g2"]
+
+
+def test_train_step_moves_logprob_with_the_advantage(tiny_model_dir, hf_model):
+    cfg = load_config(None, [f"model.path={tiny_model_dir}", "trainer.device=\"cpu\"", "trainer.optim.lr=1e-2",
+                             "trainer.micro_batch_size=1"])
+    learner = Learner(cfg)
+    good = make_sample(hf_model, [5, 6], [40, 41], "g/e0", 0)
+    bad = make_sample(hf_model, [5, 6], [50, 51], "g/e1", 0)
+    batch = build_batch([group("g", [1.0, 0.0], [good, bad])], 0, 1, AdvantageConfig(), BufferCounters())
+    with torch.no_grad():
+        before, _ = learner.token_logprobs(learner.model, [good, bad])
+    m = learner.train_step(batch)
+    with torch.no_grad():
+        after, _ = learner.token_logprobs(learner.model, [good, bad])
+    assert after[0].sum() > before[0].sum() and after[1].sum() < before[1].sum()
+    assert m.samples == 2 and m.tokens == 4 and m.grad_norm > 0
+    # On-policy samples: the trainer's and the engine's logprobs agree.
+    assert m.logprob_diff_mean < 1e-5
+    assert m.lr == 1e-2
+
+
+def test_lr_schedule():
+    assert lr_factor(0, 4, 100, "cosine", 0.1) == 0.25
+    assert lr_factor(3, 4, 100, "cosine", 0.1) == 1.0
+    assert abs(lr_factor(100, 4, 100, "cosine", 0.1) - 0.1) < 1e-9
+    assert abs(lr_factor(52, 4, 100, "linear", 0.0) - 0.5) < 1e-9
+    assert lr_factor(50, 0, 100, "constant", 0.1) == 1.0
