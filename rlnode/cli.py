@@ -16,7 +16,7 @@ import sys
 from rlnode import __version__
 
 ROLES = ("trainer", "actor", "all")
-BENCHES = ("router",)
+BENCHES = ("router", "transport", "weights", "async")
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -40,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.add_argument("--peers", default="", metavar="HOST:PORT,...",
                    help="actor: trainer address(es) to connect to (overrides the config)")
+    p.add_argument("--run-dir", metavar="DIR", help="run directory (overrides run.run_dir)")
+    p.add_argument("--resume", action="store_true",
+                   help="trainer: continue from the latest checkpoint in the run directory")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                    help="log level (default info)")
     p.add_argument("--log-json", action=argparse.BooleanOptionalAction, default=None,
@@ -67,14 +70,25 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--json", action="store_true",
                     help="print one JSON object keyed by cube id instead of a table")
 
+    kg = sub.add_parser("keygen", help="make CurveZMQ key pairs for the trainer and actors (link.curve_dir)")
+    kg.add_argument("dir", metavar="DIR")
+    kg.add_argument("--actor", action="append", metavar="NAME",
+                    help="actor key pair to create and authorize (repeatable; default: one named 'actor')")
+
     bench = sub.add_parser("bench", help="run a benchmark and print a table (or --json)")
-    bench.add_argument("name", choices=BENCHES, help="router: AdmissionRouter+Engine vs direct AsyncLLM vs vllm serve")
+    bench.add_argument("name", choices=BENCHES,
+                       help="router: AdmissionRouter+Engine vs direct AsyncLLM vs vllm serve; "
+                       "transport: ZeroMQ link with acks vs a JSONL file stream; "
+                       "weights: one in-flight weight update vs a bare gloo broadcast; "
+                       "async: wall time to N optimizer steps, pipelined vs sync")
     _add_config_args(bench)
     bench.add_argument("--model", metavar="PATH", help="model directory (overrides model.path)")
     bench.add_argument("--concurrency", type=int, default=32, help="concurrent requests (default 32)")
     bench.add_argument("--requests", type=int, default=256, help="requests per round (default 128)")
     bench.add_argument("--max-tokens", type=int, default=64, help="tokens per request (default 64)")
     bench.add_argument("--rounds", type=int, default=5, help="timed rounds per mode (default 5)")
+    bench.add_argument("--samples", type=int, default=2000, help="transport: samples to send (default 2000)")
+    bench.add_argument("--steps", type=int, default=10, help="async: optimizer steps per mode (default 10)")
     bench.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     return p
 
@@ -98,6 +112,12 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.command == "tiny-model":
         return _cmd_tiny_model(args)
+    if args.command == "keygen":
+        from rlnode.link.curve import keygen
+
+        keygen(args.dir, args.actor or ["actor"])
+        print(f"wrote CurveZMQ keys to {args.dir}: set link.curve_dir = \"{args.dir}\" on every node")
+        return 0
     if args.command == "eval":
         cfg = _load(args)
         from rlnode.evaluate import main_eval
@@ -113,11 +133,13 @@ def main(argv: list[str] | None = None) -> int:
         print("rlnode: error: give --role or a command", file=sys.stderr)
         return 2
     cfg = _load(args)
+    if args.run_dir:
+        cfg.run.run_dir = args.run_dir
     if args.peers:
         cfg.actor.peers = [p.strip() for p in args.peers.split(",") if p.strip()]
     from rlnode.daemon import run_daemon
 
-    return run_daemon(cfg, args.role)
+    return run_daemon(cfg, args.role, resume=args.resume)
 
 
 def _cmd_tiny_model(args) -> int:

@@ -210,6 +210,9 @@ class WeightSyncConfig(_Section):
     # First TCP port tried for a new group epoch (each epoch takes a fresh
     # free port from here).
     base_port: Annotated[int, Meta(ge=1024, le=65000)] = 29500
+    # Rendezvous and per-collective timeout (s): how long a dead actor can
+    # stall a weight push before the epoch is abandoned and re-formed.
+    timeout_s: PositiveFloat = 120.0
 
 
 class LinkConfig(_Section):

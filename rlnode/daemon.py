@@ -132,12 +132,12 @@ async def _until_stopped(coro, stop: asyncio.Event):
         stop_wait.cancel()
 
 
-def build_roles(cfg: Config, role: str) -> list[Role]:
+def build_roles(cfg: Config, role: str, resume: bool = False) -> list[Role]:
     roles: list[Role] = []
     if role in ("trainer", "all"):
         from rlnode.trainer.daemon import TrainerDaemon
 
-        roles.append(TrainerDaemon(cfg))
+        roles.append(TrainerDaemon(cfg, resume=resume))
     if role in ("actor", "all"):
         from rlnode.actor.daemon import ActorDaemon
 
@@ -145,7 +145,7 @@ def build_roles(cfg: Config, role: str) -> list[Role]:
     return roles
 
 
-def run_daemon(cfg: Config, role: str) -> int:
+def run_daemon(cfg: Config, role: str, resume: bool = False) -> int:
     bind_context(run=cfg.run.name, role=role, node=cfg.actor.node_id or os.uname().nodename)
     try:
         import uvloop
@@ -153,4 +153,4 @@ def run_daemon(cfg: Config, role: str) -> int:
         runner = uvloop.run
     except ImportError:  # pragma: no cover - uvloop is a dependency
         runner = asyncio.run
-    return runner(Lifecycle(build_roles(cfg, role)).main())
+    return runner(Lifecycle(build_roles(cfg, role, resume)).main())

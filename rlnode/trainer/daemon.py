@@ -1,32 +1,210 @@
-"""TrainerDaemon: the trainer role's lifecycle.
+"""TrainerDaemon: the trainer role's lifecycle and its optimizer loop.
 
-Owns (as the trainer is built out): the sample link, the buffer, the
-optimizer loop, the weight broadcast and checkpoints. For now it starts,
-reports its configured endpoint and stops cleanly.
+Owns: the link's server side (groups in, acks and commits out), the group
+buffer, the Learner (model + optimizer, in a worker thread), the weight
+pushes to every actor after each step, checkpoints, metrics.jsonl and the
+final policy. One per job.
+
+The loop, per optimizer step (version v -> v + 1):
+    wait for groups_per_step complete groups -> batch (stale samples dropped,
+    zero-signal groups skipped) -> train_step (thread) -> version v + 1 ->
+    push weights to every actor (in flight: engines pause only to load) ->
+    metrics line -> every checkpoint_every steps: checkpoint, then commit
+    the groups it covers to their actors (they stop keeping them).
+
+``--resume`` loads the latest checkpoint: weights, optimizer, scheduler,
+RNG, version, and the ids of consumed groups (a resent group that was
+already trained is dropped as a duplicate).
 """
 
 from __future__ import annotations
 
 import asyncio
+import statistics
+import time
+from pathlib import Path
 
 from rlnode.config import Config
-from rlnode.log import get_logger
+from rlnode.log import bind_context, get_logger
+from rlnode.trainer.buffer import GroupBuffer
 
 log = get_logger("rlnode.trainer")
+
+
+def effective_max_lag(cfg: Config) -> int:
+    """``sync`` mode trains only on samples of the current version."""
+    return 0 if cfg.trainer.sync else cfg.actor.scheduler.max_lag
 
 
 class TrainerDaemon:
     name = "trainer"
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, resume: bool = False):
         self.cfg = cfg
+        self.resume = resume
+        self.run_dir = Path(cfg.run.run_dir)
+        self.version = 0
+        self.step = 0
+        self.learner = None
+        self.link = None
+        self.pusher = None
+        self.buffer = GroupBuffer(cfg.actor.scheduler.groups_per_step, effective_max_lag(cfg), cfg.trainer.advantage)
+        self.pending_commit: list[str] = []  # consumed since the last checkpoint
+        self.last_checkpoint_step = 0
+        self.last_metrics: dict = {}
+        self.eval_history: list[dict] = []
+
+    # -- startup -----------------------------------------------------------------
 
     async def start(self) -> None:
+        from rlnode.link.trainer_link import TrainerLink
+        from rlnode.trainer.checkpoint import CheckpointManager, MetricsWriter
+        from rlnode.trainer.learner import Learner
+        from rlnode.trainer.sync import WeightPusher
+        from rlnode.trainer.weights import WeightBroadcaster
+
         t = self.cfg.trainer
-        log.info("trainer.started", bind=f"{t.bind_host}:{t.port}", model=self.cfg.model.path)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.learner = await asyncio.to_thread(Learner, self.cfg)
+        self.checkpoints = CheckpointManager(self.run_dir, t.keep_checkpoints)
+        consumed: list[str] = []
+        if self.resume:
+            consumed = await self._resume()
+        self.metrics = MetricsWriter(self.run_dir)
+        self.link = TrainerLink(f"tcp://{t.bind_host}:{t.port}", self.cfg.link, version=self.version)
+        self.link.load_consumed(consumed)
+        await self.link.start()
+        master = t.weights.master_host or t.advertise_host
+        broadcaster = WeightBroadcaster(t.weights, master_host=master, device=str(self.learner.device),
+                                        timeout_s=t.weights.timeout_s)
+        self.pusher = WeightPusher(self.link, broadcaster, self.learner.model,
+                                   request_timeout_s=t.weights.timeout_s + 30)
+        bind_context(version=self.version)
+        log.info("trainer.started", bind=self.link.endpoint, version=self.version, run_dir=str(self.run_dir),
+                 resumed=self.resume, device=str(self.learner.device))
+
+    async def _resume(self) -> list[str]:
+        path = self.checkpoints.latest()
+        if path is None:
+            log.warning("trainer.resume_without_checkpoint", run_dir=str(self.run_dir))
+            return []
+        L = self.learner
+        state = await asyncio.to_thread(self.checkpoints.load, path, L.model, L.optimizer, L.scheduler)
+        self.version, self.step = state["version"], state["step"]
+        self.last_checkpoint_step = self.step
+        log.info("trainer.resumed", checkpoint=str(path), version=self.version, step=self.step,
+                 consumed_groups=len(state["consumed_group_ids"]))
+        return state["consumed_group_ids"]
+
+    # -- run -----------------------------------------------------------------------
 
     async def run(self, stop: asyncio.Event) -> None:
+        tasks = [asyncio.create_task(c, name=n) for n, c in (
+            ("intake", self._intake()), ("peers", self._peer_events()), ("train", self._train_loop(stop)))]
+        stopping = asyncio.create_task(stop.wait())
+        try:
+            done, _ = await asyncio.wait([stopping, *tasks], return_when=asyncio.FIRST_COMPLETED)
+            for t in done:
+                if t is not stopping:
+                    t.result()  # a loop that ended on its own: raise its error
+        finally:
+            stopping.cancel()
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _intake(self) -> None:
+        while True:
+            _peer, group = await self.link.next_delivery()
+            self.buffer.put(group)
+
+    async def _peer_events(self) -> None:
+        while True:
+            ev = await self.link.events.get()
+            log.info("trainer.peer", kind=ev.kind, peer=ev.peer_id)
+            self.pusher.membership_changed()
+            if ev.kind == "joined":
+                # A (re)joining actor gets the current weights right away.
+                asyncio.create_task(self.pusher.push(self.version))
+
+    async def _train_loop(self, stop: asyncio.Event) -> None:
+        t = self.cfg.trainer
+        while not stop.is_set() and (t.max_steps == 0 or self.step < t.max_steps):
+            await self.buffer.wait_ready()
+            t_wait = time.perf_counter()
+            batch = self.buffer.take_batch(self.version)
+            m = await asyncio.to_thread(self.learner.train_step, batch)
+            self.step += 1
+            self.version += 1
+            bind_context(version=self.version)
+            t_push = time.perf_counter()
+            pushed = await self.pusher.push(self.version)
+            push_s = time.perf_counter() - t_push
+            self.link.set_version(self.version)
+            self.pending_commit += batch.group_ids
+            self._write_step_metrics(batch, m, push_s, pushed, time.perf_counter() - t_wait)
+            if t.checkpoint_every and self.step - self.last_checkpoint_step >= t.checkpoint_every:
+                await self.checkpoint()
+        log.info("trainer.done", step=self.step, version=self.version)
         await stop.wait()
 
+    def _write_step_metrics(self, batch, m, push_s: float, pushed: bool, step_s: float) -> None:
+        rewards = batch.rewards
+        rec = {
+            "step": self.step, "version": self.version, "time": time.time(),
+            "reward_mean": statistics.fmean(rewards) if rewards else 0.0,
+            "success_mean": statistics.fmean(batch.successes) if batch.successes else 0.0,
+            "groups": len(batch.group_ids), "samples": m.samples, "tokens": m.tokens,
+            "lag_mean": statistics.fmean(batch.lags) if batch.lags else 0.0,
+            "lag_max": max(batch.lags, default=0),
+            "dropped_stale": batch.dropped_stale, "zero_signal_groups": batch.zero_signal_groups,
+            "loss": m.loss, "grad_norm": m.grad_norm, "lr": m.lr,
+            "logprob_diff_mean": m.logprob_diff_mean, "train_s": m.step_s,
+            "weight_push_s": push_s, "weights_pushed": pushed, "step_s": step_s,
+            "buffered_groups": len(self.buffer),
+            **{f"loss/{k}": v for k, v in m.extra.items() if k != "tokens"},
+        }
+        self.last_metrics = rec
+        self.metrics.write(rec)
+        log.info("step", step=self.step, reward=round(rec["reward_mean"], 3), loss=round(m.loss, 4),
+                 samples=m.samples, lag_mean=round(rec["lag_mean"], 2), step_s=round(step_s, 2))
+
+    def record_eval(self, version: int, cube_id: str, stats: dict) -> None:
+        rec = {"eval": True, "version": version, "cube_id": cube_id, "time": time.time(),
+               "eval_reward_mean": stats.get("reward_mean", 0.0), "eval_success": stats.get("success_rate", 0.0),
+               "episodes": stats.get("episodes", 0), "turns_mean": stats.get("turns_mean", 0.0)}
+        self.eval_history.append(rec)
+        self.metrics.write(rec)
+
+    # -- checkpoints and shutdown ---------------------------------------------------
+
+    async def checkpoint(self) -> None:
+        L = self.learner
+        consumed = self.link.consumed_ids() + self.pending_commit
+        path = await asyncio.to_thread(
+            self.checkpoints.save, self.step, self.version, L.model, L.optimizer, L.scheduler,
+            self.cfg.model.path, consumed, {"run": self.cfg.run.name})
+        # Only now are these groups durably consumed: actors may forget them.
+        self.link.mark_consumed(self.pending_commit)
+        self.pending_commit = []
+        self.last_checkpoint_step = self.step
+        log.info("trainer.checkpoint", path=str(path), step=self.step, version=self.version)
+
     async def shutdown(self) -> None:
-        log.info("trainer.stopped")
+        from rlnode.trainer.checkpoint import save_hf_policy
+
+        try:
+            if self.learner is not None and self.link is not None and self.step > self.last_checkpoint_step:
+                await self.checkpoint()
+            if self.learner is not None and self.step > 0:
+                final = self.run_dir / "final"
+                await asyncio.to_thread(save_hf_policy, self.learner.model, self.cfg.model.path, final)
+                log.info("trainer.final_policy", path=str(final), version=self.version)
+        finally:
+            if self.pusher is not None:
+                await asyncio.to_thread(self.pusher.broadcaster.close_group)
+            if self.link is not None:
+                await self.link.close()
+            if hasattr(self, "metrics"):
+                self.metrics.close()
+            log.info("trainer.stopped", step=self.step, version=self.version)
