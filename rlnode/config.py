@@ -255,6 +255,20 @@ class TrainerConfig(_Section):
     weights: WeightSyncConfig = field(default_factory=WeightSyncConfig)
 
 
+class HttpConfig(_Section):
+    """Each daemon's HTTP endpoint: /healthz, /metrics, /status, / (live page)."""
+
+    # Serve it at all.
+    enabled: bool = True
+    # Interface to listen on; loopback by default (put a proxy in front to
+    # expose it).
+    host: str = "127.0.0.1"
+    # Ports: the trainer (and `--role all`) uses trainer_port, an actor
+    # actor_port; 0 = any free port (logged).
+    trainer_port: Annotated[int, Meta(ge=0, le=65535)] = 8470
+    actor_port: Annotated[int, Meta(ge=0, le=65535)] = 8471
+
+
 class RunConfig(_Section):
     # Name of this run (logs, metrics, run directory); empty = config stem.
     name: str = ""
@@ -270,6 +284,7 @@ class Config(_Section):
     actor: ActorConfig = field(default_factory=ActorConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     link: LinkConfig = field(default_factory=LinkConfig)
+    http: HttpConfig = field(default_factory=HttpConfig)
 
 
 # ---------------------------------------------------------------------------

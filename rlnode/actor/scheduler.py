@@ -113,6 +113,7 @@ class RolloutScheduler:
         versions: VersionSource,
         seed: int = 0,
         on_eval: Callable[[EvalReport], None] | None = None,
+        id_prefix: str = "",
     ):
         self.cubes, self.cfg, self.episode = cubes, cfg, episode
         self.client, self.renderer, self.versions = client, renderer, versions
@@ -120,6 +121,9 @@ class RolloutScheduler:
         self.weights = [weights[c] for c in self.train_cubes]
         self.eval_cubes = eval_cubes
         self.on_eval = on_eval
+        # Group ids must be unique across actors and actor restarts (the
+        # trainer drops duplicates by id): the daemon passes node + incarnation.
+        self.id_prefix = id_prefix
         self.rng = random.Random(seed)
         self.stats = {c: CubeStats() for c in cubes}
         self.eval_stats: dict[str, CubeStats] = {}
@@ -188,7 +192,7 @@ class RolloutScheduler:
         await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _run_group(self, ref: CubeTaskRef, index: int, out: asyncio.Queue) -> None:
-        group_id = f"g{index:07d}"
+        group_id = f"{self.id_prefix}g{index:07d}"
         start_version = self.versions.version
         self.in_flight_groups += 1
         self.max_in_flight_groups = max(self.max_in_flight_groups, self.in_flight_groups)

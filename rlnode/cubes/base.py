@@ -138,6 +138,12 @@ class Cube(abc.ABC):
     async def close(self) -> None:
         """Tear the benchmark down."""
 
+    def reference_scores(self) -> dict[str, float]:
+        """Known success rates of reference policies on this cube (e.g.
+        ``{"random": 0.3, "best_feedback_ignoring": 0.5}``), for reports.
+        Empty when unknown."""
+        return {}
+
 
 async def run_blocking(fn: Callable[..., T], *args: Any) -> T:
     """Run blocking cube code in a worker thread, off the event loop."""

@@ -104,3 +104,10 @@ class GuessingCube(Cube):
         """Best success a policy that ignores feedback can reach: it can only
         try ``max_turns`` distinct numbers."""
         return min(1.0, self.opts.max_turns / self.opts.max_number)
+
+    def random_success(self) -> float:
+        """A policy guessing uniformly at random each turn (repeats allowed)."""
+        return 1.0 - (1.0 - 1.0 / self.opts.max_number) ** self.opts.max_turns
+
+    def reference_scores(self) -> dict[str, float]:
+        return {"random": self.random_success(), "best_feedback_ignoring": self.feedback_ignoring_success()}
