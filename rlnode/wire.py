@@ -12,10 +12,15 @@ creating thousands of Python objects.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import msgspec
 
 from rlnode.actor.router import LeaseMetadata
+
+if TYPE_CHECKING:  # scheduler imports this module (via episode): no runtime cycle
+    from rlnode.actor.scheduler import Group
 
 
 def pack_i32(values) -> bytes:
@@ -72,3 +77,179 @@ class TrainingSample(msgspec.Struct, array_like=True, omit_defaults=True, tag="s
     @property
     def completion_mask(self) -> np.ndarray:
         return np.frombuffer(self.loss_mask, dtype=np.uint8)
+
+
+# ---------------------------------------------------------------------------
+# Actor <-> trainer link messages (rlnode.link). One ROUTER on the trainer,
+# one DEALER per actor; every frame is one msgpack-encoded message of the
+# union named after its receiver (``ToTrainer`` / ``ToActor``). All are
+# array_like (field order is the schema: append defaulted fields only) and
+# tagged (the tag is the array's first element).
+# ---------------------------------------------------------------------------
+
+# Bumped only for changes an older peer cannot survive; appended defaulted
+# fields do not need a bump.
+PROTOCOL_VERSION = 1
+
+# Reject reasons (trainer -> actor). The actor acts on these strings.
+REJECT_REGISTER_FIRST = "register first"  # actor: re-register, then resend
+REJECT_PROTOCOL = "protocol version"  # actor: fatal, surfaces as LinkFatalError
+REJECT_IDENTITY = "identity mismatch"  # actor: fatal (socket identity != node/incarnation)
+REJECT_MALFORMED = "malformed"  # undecodable frame; actor logs it
+REJECT_INVALID_GROUP = "invalid group"  # actor: drop group_ids, count them (resending cannot help)
+REJECT_BUSY = "busy"  # trainer buffer full; actor: resend group_ids after the ack timeout
+REJECT_UNKNOWN_GROUP = "unknown group"  # CommitQuery for ids the trainer never saw; actor: resend
+
+
+class _Msg(msgspec.Struct, array_like=True, omit_defaults=True):
+    pass
+
+
+class EngineInfo(_Msg):
+    """One engine of an actor node (inside ``Register``); encodes as the pair
+    ``[engine_id, num_workers]``."""
+
+    engine_id: int
+    num_workers: int  # tensor-parallel worker processes: ranks in the weight broadcast
+
+
+class Register(_Msg, tag="register"):
+    """actor -> trainer: first message on every (re)connection. Answered by
+    ``Welcome`` or ``Reject``."""
+
+    node_id: str
+    incarnation: str  # random per actor link start: a new one = a new outbox
+    engines: list[EngineInfo]
+    protocol_version: int = PROTOCOL_VERSION
+
+
+class Heartbeat(_Msg, tag="hb"):
+    """actor -> trainer and trainer -> actor, every ``heartbeat_s``; any frame
+    counts as a sign of life, heartbeats cover quiet periods."""
+
+    node_id: str  # the trainer sends "trainer"
+    version: int  # actor: policy version its engines hold; trainer: current version
+    stats: dict[str, float] = {}
+
+
+class EpisodeSummary(_Msg):
+    """One episode of a delivered group (inside ``GroupDelivery``)."""
+
+    episode_id: str
+    reward: float
+    success: bool
+    num_turns: int
+    termination_reason: str  # "done" | "max_turns" | "context_limit"
+
+
+class GroupDelivery(_Msg, tag="group"):
+    """actor -> trainer: one complete group (all attempts of one task).
+    ``group_id`` must be unique in the run (across actors and actor restarts):
+    the trainer drops any second delivery of an id as a duplicate."""
+
+    group_id: str
+    node_id: str
+    cube_id: str
+    task_id: str
+    start_version: int  # policy version when the group was admitted
+    episodes: list[EpisodeSummary]
+    samples: list[TrainingSample]
+
+
+class CommitQuery(_Msg, tag="cq"):
+    """actor -> trainer: "these groups were acked long ago and are still not
+    committed". Repairs a lost ``Commit``; answered by ``Commit`` for the
+    consumed ones and ``Reject(unknown group)`` for ids the trainer lacks."""
+
+    group_ids: list[str]
+
+
+class EvalReport(_Msg, tag="eval"):
+    """actor -> trainer: evaluation results at a policy version (from the
+    scheduler's eval loop). Best effort: not acknowledged."""
+
+    node_id: str
+    version: int
+    cubes: dict[str, dict[str, float | int]]  # cube id -> CubeStats.summary()
+
+
+class ControlReply(_Msg, tag="creply"):
+    """actor -> trainer: the answer to one ``ControlRequest``."""
+
+    request_id: int
+    ok: bool
+    error: str = ""
+    payload: dict[str, float | int | str] = {}
+
+
+class Welcome(_Msg, tag="welcome"):
+    """trainer -> actor: registration accepted."""
+
+    trainer_incarnation: str  # random per trainer link start: a new one = an empty buffer
+    version: int  # current policy version
+
+
+class Ack(_Msg, tag="ack"):
+    """trainer -> actor: these groups are in this trainer incarnation's buffer
+    (``group_ids``: accepted now; ``duplicate``: it had them already, buffered
+    or consumed). The actor stops resending them to this incarnation."""
+
+    group_ids: list[str]
+    duplicate: list[str] = []
+
+
+class Commit(_Msg, tag="commit"):
+    """trainer -> actor: these groups are durably consumed (trained and
+    checkpointed, or dropped and counted); the actor forgets them."""
+
+    group_ids: list[str]
+
+
+class Reject(_Msg, tag="reject"):
+    """trainer -> actor: a valid message the trainer will not act on, or an
+    undecodable frame. ``reason`` is one of the ``REJECT_*`` strings."""
+
+    reason: str
+    detail: str = ""
+    group_ids: list[str] = []  # the groups concerned, where known
+
+
+class VersionUpdate(_Msg, tag="version"):
+    """trainer -> actor: the trainer's policy version moved (also carried by
+    every trainer ``Heartbeat``, so a lost update heals within heartbeat_s)."""
+
+    version: int
+
+
+# ControlRequest payload values. msgspec allows one array type per union,
+# hence list[int | str] for "list of ranks" and "list of tensor names" alike.
+ControlValue = int | float | str | list[int | str]
+
+
+class ControlRequest(_Msg, tag="creq"):
+    """trainer -> actor: a request the actor daemon must answer with a
+    ``ControlReply`` of the same ``request_id`` (e.g. weight-update
+    rendezvous; ``kind`` names the operation)."""
+
+    request_id: int
+    kind: str
+    payload: dict[str, ControlValue] = {}
+
+
+ToTrainer = Register | Heartbeat | GroupDelivery | CommitQuery | ControlReply | EvalReport
+ToActor = Welcome | Ack | Commit | Reject | Heartbeat | VersionUpdate | ControlRequest
+
+
+def group_to_delivery(group: Group, node_id: str) -> GroupDelivery:
+    """Flatten a scheduler ``Group`` into the message the link sends.
+    Samples keep their order: episode by episode, LLM call by LLM call."""
+    return GroupDelivery(
+        group_id=group.group_id,
+        node_id=node_id,
+        cube_id=group.ref.cube_id,
+        task_id=group.ref.task_id,
+        start_version=group.start_version,
+        episodes=[EpisodeSummary(e.episode_id, e.reward, e.success, e.num_turns, e.termination_reason)
+                  for e in group.episodes],
+        samples=[s for e in group.episodes for s in e.samples],
+    )

@@ -1,0 +1,520 @@
+"""TrainerLink: the trainer's end of the actor <-> trainer link.
+
+Owns the ROUTER socket, the ZAP authenticator (when ``curve_dir`` is set),
+the peer table, the ids of groups this trainer holds or has consumed, and
+the link counters. Must not touch the training buffer, the optimizer or
+checkpoints: accepted groups leave through ``deliveries``, and the daemon
+reports back with ``mark_consumed`` and persists ``consumed_ids()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import itertools
+import secrets
+import time
+from typing import Iterable, Literal
+
+import msgspec
+import zmq
+import zmq.asyncio
+from zmq.auth.asyncio import AsyncioAuthenticator
+
+from rlnode.config import LinkConfig
+from rlnode.link import DEFAULT_MAX_FRAME_BYTES, LinkError, PeerGone, curve, send_nowait
+from rlnode.log import get_logger
+from rlnode.wire import (
+    PROTOCOL_VERSION, REJECT_BUSY, REJECT_IDENTITY, REJECT_INVALID_GROUP, REJECT_MALFORMED,
+    REJECT_PROTOCOL, REJECT_REGISTER_FIRST, REJECT_UNKNOWN_GROUP, Ack, Commit, CommitQuery,
+    ControlReply, ControlRequest, ControlValue, EngineInfo, EvalReport, GroupDelivery, Heartbeat, Register,
+    Reject, ToActor, ToTrainer, VersionUpdate, Welcome,
+)
+
+log = get_logger("rlnode.link.trainer")
+
+
+class PeerInfo(msgspec.Struct):
+    """One actor link as the trainer sees it (``peers()`` returns copies)."""
+
+    peer_id: str  # "node_id/incarnation", the actor's ZeroMQ identity
+    node_id: str
+    incarnation: str
+    engines: list[EngineInfo]
+    last_seen: float  # wall clock (time.time()) of its last valid frame
+    version: int  # policy version its engines hold (from its heartbeats)
+    connected: bool  # registered and heard from within peer_timeout_s
+    stats: dict[str, float] = {}  # its last heartbeat's stats
+    groups: int = 0  # groups accepted from it
+    user_id: str = ""  # CURVE public key (Z85) it authenticated with; "" without curve
+
+
+class PeerEvent(msgspec.Struct):
+    kind: Literal["joined", "left"]
+    peer_id: str
+    node_id: str
+    incarnation: str
+    reason: str = ""  # left: "timeout" | "replaced" (same node, new incarnation) | "closed"
+
+
+class TrainerLinkCounters(msgspec.Struct):
+    frames_in: int = 0
+    malformed_frames: int = 0  # undecodable, wrong frame count or oversize
+    unexpected_frames: int = 0  # valid, but not in this peer's state (answered with Reject)
+    registrations: int = 0
+    groups_accepted: int = 0
+    samples_accepted: int = 0
+    duplicates: int = 0  # group ids already buffered or consumed: dropped, still acked
+    id_collisions: int = 0  # duplicates from a node other than the first sender (group ids not unique!)
+    invalid_groups: int = 0  # well-formed deliveries with inconsistent content: rejected
+    busy_rejects: int = 0  # deliveries refused while max_buffered_groups were buffered
+    acks_sent: int = 0
+    eval_reports: int = 0
+    commits_sent: int = 0  # group ids committed to their actor
+    send_failures: int = 0  # messages ZeroMQ did not take (peer queue at HWM, peer gone)
+    auth_denied: int = 0  # CURVE handshakes with a key not in authorized/ (ZAP denials)
+    peers_joined: int = 0
+    peers_left: int = 0
+    malformed_by_reason: dict[str, int] = {}
+
+
+def check_group(g: GroupDelivery) -> str | None:
+    """Content checks msgspec's types cannot express; None = consistent.
+    A failing group can never become valid, so it is rejected, not retried."""
+    if not g.group_id or not g.samples:
+        return "empty group id or no samples"
+    for s in g.samples:
+        if s.group_id != g.group_id:
+            return f"sample {s.sample_id!r} belongs to group {s.group_id!r}"
+        n, rem = divmod(len(s.completion_ids), 4)
+        if rem or len(s.prompt_ids) % 4:
+            return f"sample {s.sample_id!r}: token arrays are not int32"
+        if len(s.logprobs) != 4 * n or len(s.loss_mask) != n:
+            return f"sample {s.sample_id!r}: logprobs/mask length != {n} completion tokens"
+    return None
+
+
+class TrainerLink:
+    """The trainer's ROUTER. One per trainer process; actors connect to it.
+
+    Guarantees:
+    * A group reaches ``deliveries`` at most once per group id, across
+      trainer restarts too as long as the daemon persists ``consumed_ids()``
+      and restores them with ``load_consumed`` (ids still only buffered at a
+      crash are resent by their actor, which keeps them until ``Commit``).
+    * Every delivery is answered: ``Ack`` once it is in ``deliveries`` (or
+      was already buffered/consumed: counted as duplicate, still acked so the
+      actor stops resending), ``Reject`` otherwise. ``mark_consumed`` sends
+      ``Commit`` to the sender; a lost Commit is repaired by the actor's
+      ``CommitQuery``.
+    * Nothing is dropped silently: malformed frames, unexpected messages,
+      duplicates, invalid or refused groups and failed sends are counted.
+    * The trainer never waits on an actor. Inbound, each actor has a queue of
+      ``rcvhwm`` messages; when it is full ZeroMQ stops reading that actor's
+      TCP connection and the actor's own sends fail and are retried. Outbound,
+      a send to an actor whose queue (``sndhwm``) is full, or that is gone,
+      fails at once (ROUTER_MANDATORY + DONTWAIT): the message is dropped and
+      counted in ``send_failures``. Each trainer->actor message heals: a lost
+      Ack causes a resend (acked again as a duplicate), a lost Commit a
+      CommitQuery, a lost VersionUpdate the next Heartbeat; ``request()``
+      raises instead.
+    * Liveness: heartbeats every ``heartbeat_s`` to each connected peer; a
+      peer silent for ``peer_timeout_s`` is marked gone (``PeerEvent`` "left")
+      and must register again before it may deliver.
+
+    Usage: ``await start()``; read ``deliveries`` (``(peer_id, GroupDelivery)``),
+    ``events`` (``PeerEvent``) and ``evals`` (``(peer_id, EvalReport)``), or
+    ``next_delivery()`` which re-raises a ``LinkError`` if a link task died;
+    ``await close()``.
+    """
+
+    def __init__(self, bind: str, link: LinkConfig | None = None, *, version: int = 0,
+                 incarnation: str | None = None, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+                 max_buffered_groups: int = 0, sndhwm: int = 1024, rcvhwm: int = 256):
+        self.bind = bind
+        self.link = link or LinkConfig()
+        self.incarnation = incarnation or secrets.token_hex(8)
+        self.version = version
+        self.max_frame_bytes = max_frame_bytes
+        self.max_buffered_groups = max_buffered_groups  # 0 = unbounded
+        self._hwm = (sndhwm, rcvhwm)
+        self.endpoint = ""  # the bound address (resolved port), set by start()
+        self.counters = TrainerLinkCounters()
+        self.deliveries: asyncio.Queue[tuple[str, GroupDelivery] | LinkError] = asyncio.Queue()
+        self.events: asyncio.Queue[PeerEvent] = asyncio.Queue()
+        self.evals: asyncio.Queue[tuple[str, EvalReport]] = asyncio.Queue()
+        self._peers: dict[str, PeerInfo] = {}
+        self._seen: dict[str, float] = {}  # peer_id -> monotonic time of its last valid frame
+        self._buffered: dict[str, str] = {}  # accepted, not yet consumed: group id -> peer_id
+        self._consumed: set[str] = set()
+        self._requests: dict[int, tuple[str, asyncio.Future]] = {}
+        self._request_ids = itertools.count(1)
+        self._decoder = msgspec.msgpack.Decoder(ToTrainer)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._ctx: zmq.asyncio.Context | None = None
+        self._sock: zmq.asyncio.Socket | None = None
+        self._auth: AsyncioAuthenticator | None = None
+        self._tasks: list[asyncio.Task] = []
+
+    # ---- lifecycle -------------------------------------------------------
+
+    async def start(self) -> None:
+        # A private context: the ZAP authenticator is per context, and tests
+        # (or `--role all`) may run several links in one process.
+        self._ctx = zmq.asyncio.Context()
+        sock = self._ctx.socket(zmq.ROUTER)
+        try:
+            if self.link.curve_dir:
+                self._auth = AsyncioAuthenticator(self._ctx, log=_ZapLog(self.counters))
+                self._auth.start()
+                self._auth.configure_curve(domain="*", location=curve.authorized_dir(self.link.curve_dir))
+                curve.apply_server(sock, self.link.curve_dir)
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unknown peer / full queue -> error, not silent drop
+            sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # an actor's reconnect takes over its half-dead pipe
+            sock.sndhwm, sock.rcvhwm = self._hwm
+            sock.linger = 0  # unsent acks are not worth waiting for: actors resend
+            # Hard cap: bigger frames make ZeroMQ drop the connection before
+            # we see them; frames between the two limits are counted below.
+            sock.maxmsgsize = 2 * self.max_frame_bytes
+            sock.bind(self.bind)
+        except BaseException:
+            sock.close(linger=0)
+            self._stop_context()
+            raise
+        self._sock = sock
+        self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._tasks = [asyncio.create_task(self._read_loop(), name="trainer-link-read"),
+                       asyncio.create_task(self._tick_loop(), name="trainer-link-tick")]
+        log.info("link.trainer.started", endpoint=self.endpoint, incarnation=self.incarnation,
+                 curve=bool(self.link.curve_dir), version=self.version)
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        for _, fut in self._requests.values():
+            if not fut.done():
+                fut.set_exception(PeerGone("trainer link closed"))
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+        self._stop_context()
+        log.info("link.trainer.stopped", incarnation=self.incarnation, **self._summary())
+
+    def _stop_context(self) -> None:
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+    async def __aenter__(self) -> TrainerLink:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    # ---- public API for the trainer daemon --------------------------------
+
+    async def next_delivery(self) -> tuple[str, GroupDelivery]:
+        item = await self.deliveries.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def peers(self) -> dict[str, PeerInfo]:
+        return {pid: copy.copy(p) for pid, p in self._peers.items()}
+
+    def mark_consumed(self, group_ids: Iterable[str]) -> None:
+        """These groups are durably consumed (trained and checkpointed, or
+        dropped and counted): remember them and ``Commit`` them to their
+        actors. Call for every group taken from ``deliveries``."""
+        by_peer: dict[str, list[str]] = {}
+        for gid in group_ids:
+            if gid in self._consumed:
+                continue
+            self._consumed.add(gid)
+            peer_id = self._buffered.pop(gid, None)
+            if peer_id is not None:
+                by_peer.setdefault(peer_id, []).append(gid)
+        for peer_id, gids in by_peer.items():
+            p = self._peers.get(peer_id)
+            # A gone peer asks again with CommitQuery once it is back.
+            if p is not None and p.connected and self._send(peer_id, Commit(gids)):
+                self.counters.commits_sent += len(gids)
+
+    def consumed_ids(self) -> list[str]:
+        """Every group id consumed by this run: persist it with checkpoints."""
+        return list(self._consumed)
+
+    def load_consumed(self, group_ids: Iterable[str]) -> None:
+        """Restore consumed ids from a checkpoint: resends of them are
+        dropped as duplicates (and committed)."""
+        self._consumed.update(group_ids)
+
+    def buffered_ids(self) -> list[str]:
+        return list(self._buffered)
+
+    def set_version(self, version: int) -> None:
+        """The policy version moved: tell every connected actor."""
+        self.version = version
+        for p in self._connected():
+            self._send(p.peer_id, VersionUpdate(version))
+
+    async def request(self, peer_id: str, kind: str, payload: dict[str, ControlValue] | None = None,
+                      timeout_s: float = 30.0) -> ControlReply:
+        """Send a ``ControlRequest`` and wait for its ``ControlReply``.
+        Raises PeerGone (peer unknown, gone, or its queue full) or TimeoutError."""
+        p = self._peers.get(peer_id)
+        if p is None or not p.connected:
+            raise PeerGone(f"peer {peer_id!r} is not connected")
+        rid = next(self._request_ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._requests[rid] = (peer_id, fut)
+        try:
+            if not self._send(peer_id, ControlRequest(rid, kind, payload or {})):
+                raise PeerGone(f"cannot send to peer {peer_id!r}")
+            return await asyncio.wait_for(fut, timeout_s)
+        finally:
+            self._requests.pop(rid, None)
+
+    # ---- socket reader ---------------------------------------------------
+
+    async def _read_loop(self) -> None:
+        try:
+            while True:
+                frames = await self._sock.recv_multipart(copy=False)
+                self._on_frames(frames)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a bug or a dead context: the consumer must hear of it
+            log.exception("link.trainer.reader_failed")
+            self.deliveries.put_nowait(LinkError(f"trainer link reader failed: {e!r}"))
+            raise
+
+    def _on_frames(self, frames: list[zmq.Frame]) -> None:
+        self.counters.frames_in += 1
+        peer_id = frames[0].bytes.decode("utf-8", "replace")
+        if len(frames) != 2:
+            return self._malformed(peer_id, "frame_count", f"{len(frames) - 1} frames, expected 1")
+        body = frames[1]
+        if len(body) > self.max_frame_bytes:
+            return self._malformed(peer_id, "oversize", f"{len(body)} bytes > {self.max_frame_bytes}")
+        try:
+            msg = self._decoder.decode(body.buffer)
+        except msgspec.DecodeError as e:  # ValidationError included: wrong types, unknown tag
+            return self._malformed(peer_id, "decode", str(e))
+        peer = self._peers.get(peer_id)
+        if isinstance(msg, Register):
+            return self._on_register(peer_id, msg, _user_id(body))
+        if peer is None or not peer.connected:
+            return self._unexpected(peer_id, REJECT_REGISTER_FIRST, type(msg).__name__,
+                                    [msg.group_id] if isinstance(msg, GroupDelivery) else [])
+        self._seen[peer_id] = time.monotonic()
+        peer.last_seen = time.time()
+        match msg:
+            case GroupDelivery():
+                self._on_group(peer, msg)
+            case Heartbeat(version=version, stats=stats):
+                peer.version, peer.stats = version, stats
+            case CommitQuery(group_ids=ids):
+                self._on_commit_query(peer, ids)
+            case ControlReply():
+                self._on_reply(peer, msg)
+            case EvalReport():
+                self.counters.eval_reports += 1
+                self.evals.put_nowait((peer_id, msg))
+
+    def _malformed(self, peer_id: str, reason: str, detail: str) -> None:
+        c = self.counters
+        c.malformed_frames += 1
+        c.malformed_by_reason[reason] = c.malformed_by_reason.get(reason, 0) + 1
+        # A flood of garbage must not become a flood of log lines.
+        if c.malformed_frames <= 10 or c.malformed_frames % 1000 == 0:
+            log.warning("link.trainer.malformed_frame", peer=peer_id, reason=reason, detail=detail[:200],
+                        total=c.malformed_frames)
+        self._send(peer_id, Reject(REJECT_MALFORMED, f"{reason}: {detail[:200]}"))
+
+    def _unexpected(self, peer_id: str, reason: str, detail: str, group_ids: list[str] = ()) -> None:
+        self.counters.unexpected_frames += 1
+        log.info("link.trainer.rejected", peer=peer_id, reason=reason, detail=detail)
+        self._send(peer_id, Reject(reason, detail, list(group_ids)))
+
+    # ---- message handlers --------------------------------------------------
+
+    def _on_register(self, peer_id: str, msg: Register, user_id: str) -> None:
+        if msg.protocol_version != PROTOCOL_VERSION:
+            return self._unexpected(peer_id, REJECT_PROTOCOL,
+                                    f"actor speaks {msg.protocol_version}, trainer {PROTOCOL_VERSION}")
+        if not msg.node_id or peer_id != f"{msg.node_id}/{msg.incarnation}":
+            return self._unexpected(peer_id, REJECT_IDENTITY, f"socket identity {peer_id!r}")
+        old = self._peers.get(peer_id)
+        # A node's new incarnation (actor restart) replaces its older entries,
+        # so the table stays one row per node.
+        for other in [p for p in self._peers.values() if p.node_id == msg.node_id and p.peer_id != peer_id]:
+            if other.connected:
+                self._leave(other, "replaced")
+            del self._peers[other.peer_id]
+            self._seen.pop(other.peer_id, None)
+        peer = PeerInfo(peer_id, msg.node_id, msg.incarnation, msg.engines, time.time(),
+                        old.version if old else 0, True, old.stats if old else {},
+                        old.groups if old else 0, user_id)
+        self._peers[peer_id] = peer
+        self._seen[peer_id] = time.monotonic()
+        self.counters.registrations += 1
+        self._send(peer_id, Welcome(self.incarnation, self.version))
+        if old is None or not old.connected:
+            self.counters.peers_joined += 1
+            self.events.put_nowait(PeerEvent("joined", peer_id, msg.node_id, msg.incarnation))
+            log.info("link.peer.joined", peer=peer_id, engines=[(e.engine_id, e.num_workers) for e in msg.engines],
+                     key=user_id or None)
+
+    def _on_group(self, peer: PeerInfo, g: GroupDelivery) -> None:
+        c, gid = self.counters, g.group_id
+        if g.node_id != peer.node_id:
+            c.invalid_groups += 1
+            return self._unexpected(peer.peer_id, REJECT_INVALID_GROUP, f"node_id {g.node_id!r}", [gid])
+        if gid in self._consumed or gid in self._buffered:
+            self._on_duplicate(peer, gid)
+            return
+        problem = check_group(g)
+        if problem is not None:
+            c.invalid_groups += 1
+            log.warning("link.trainer.invalid_group", peer=peer.peer_id, group=gid, problem=problem)
+            self._send(peer.peer_id, Reject(REJECT_INVALID_GROUP, problem, [gid]))
+            return
+        if self.max_buffered_groups and len(self._buffered) >= self.max_buffered_groups:
+            c.busy_rejects += 1
+            self._send(peer.peer_id, Reject(REJECT_BUSY, f"{len(self._buffered)} groups buffered", [gid]))
+            return
+        self._buffered[gid] = peer.peer_id
+        c.groups_accepted += 1
+        c.samples_accepted += len(g.samples)
+        peer.groups += 1
+        self.deliveries.put_nowait((peer.peer_id, g))
+        if self._send(peer.peer_id, Ack([gid])):
+            c.acks_sent += 1
+
+    def _on_duplicate(self, peer: PeerInfo, gid: str) -> None:
+        c = self.counters
+        c.duplicates += 1
+        origin = self._buffered.get(gid)
+        if origin is not None and origin != peer.peer_id:
+            if origin.split("/", 1)[0] != peer.node_id:
+                c.id_collisions += 1
+                log.warning("link.trainer.group_id_collision", group=gid, first=origin, second=peer.peer_id)
+            else:  # the same node under a new identity: commit to where it lives now
+                self._buffered[gid] = peer.peer_id
+        if self._send(peer.peer_id, Ack([], duplicate=[gid])):
+            c.acks_sent += 1
+        if gid in self._consumed and self._send(peer.peer_id, Commit([gid])):
+            c.commits_sent += 1
+
+    def _on_commit_query(self, peer: PeerInfo, ids: list[str]) -> None:
+        consumed = [g for g in ids if g in self._consumed]
+        unknown = [g for g in ids if g not in self._consumed and g not in self._buffered]
+        if consumed and self._send(peer.peer_id, Commit(consumed)):
+            self.counters.commits_sent += len(consumed)
+        if unknown:
+            self._unexpected(peer.peer_id, REJECT_UNKNOWN_GROUP, f"{len(unknown)} ids", unknown)
+
+    def _on_reply(self, peer: PeerInfo, r: ControlReply) -> None:
+        pending = self._requests.get(r.request_id)
+        if pending is None or pending[0] != peer.peer_id:
+            # Late (timed out) or foreign reply: counted, not an error worth a Reject.
+            self.counters.unexpected_frames += 1
+            log.info("link.trainer.stray_reply", peer=peer.peer_id, request=r.request_id)
+            return
+        if not pending[1].done():
+            pending[1].set_result(r)
+
+    # ---- liveness ------------------------------------------------------------
+
+    async def _tick_loop(self) -> None:
+        try:
+            await self._ticks()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            log.exception("link.trainer.tick_failed")
+            self.deliveries.put_nowait(LinkError(f"trainer link heartbeat task failed: {e!r}"))
+            raise
+
+    async def _ticks(self) -> None:
+        hb = self.link.heartbeat_s
+        last = time.monotonic()
+        while True:
+            await asyncio.sleep(hb)
+            now = time.monotonic()
+            if now - last > 2 * hb:
+                # Our own loop stalled (a long synchronous step): frames from
+                # live peers are still queued unread, so do not blame them.
+                for pid, seen in self._seen.items():
+                    self._seen[pid] = max(seen, now - hb)
+            last = now
+            for p in self._connected():
+                if now - self._seen.get(p.peer_id, now) > self.link.peer_timeout_s:
+                    self._leave(p, "timeout")
+            stats = {"buffered": float(len(self._buffered)), "consumed": float(len(self._consumed))}
+            for p in self._connected():
+                self._send(p.peer_id, Heartbeat("trainer", self.version, stats))
+
+    def _connected(self) -> list[PeerInfo]:
+        return [p for p in self._peers.values() if p.connected]
+
+    def _leave(self, peer: PeerInfo, reason: str) -> None:
+        peer.connected = False
+        self.counters.peers_left += 1
+        self.events.put_nowait(PeerEvent("left", peer.peer_id, peer.node_id, peer.incarnation, reason))
+        log.info("link.peer.left", peer=peer.peer_id, reason=reason)
+        for rid, (pid, fut) in list(self._requests.items()):
+            if pid == peer.peer_id and not fut.done():
+                fut.set_exception(PeerGone(f"peer {pid!r} left ({reason})"))
+
+    # ---- sending ---------------------------------------------------------
+
+    def _send(self, peer_id: str, msg: ToActor) -> bool:
+        if self._sock is None:
+            return False
+        err = send_nowait(self._sock, [peer_id.encode(), self._encoder.encode(msg)])
+        if err is not None:
+            self.counters.send_failures += 1
+            log.debug("link.trainer.send_failed", peer=peer_id, msg=type(msg).__name__, error=err)
+            return False
+        return True
+
+    def _summary(self) -> dict:
+        c = self.counters
+        return {"groups": c.groups_accepted, "duplicates": c.duplicates, "malformed": c.malformed_frames,
+                "unexpected": c.unexpected_frames, "send_failures": c.send_failures}
+
+
+def _user_id(frame: zmq.Frame) -> str:
+    """The CURVE public key the ZAP handler accepted for this connection."""
+    try:
+        return frame.get("User-Id") or ""
+    except (zmq.ZMQError, AttributeError):
+        return ""
+
+
+class _ZapLog:
+    """pyzmq's authenticator reports through a stdlib-style logger; count
+    its denials and turn them into structured events (rate-limited: a
+    rejected actor retries every second or so)."""
+
+    def __init__(self, counters: TrainerLinkCounters):
+        self.counters = counters
+
+    def debug(self, msg: str, *args) -> None:
+        # Every ZAP answer passes through "ZAP reply code=%s text=%s".
+        if msg.startswith("ZAP reply") and args and args[0] != b"200":
+            n = self.counters.auth_denied = self.counters.auth_denied + 1
+            if n <= 10 or n % 100 == 0:
+                reason = args[1].decode("utf-8", "replace") if len(args) > 1 else ""
+                log.warning("link.trainer.auth_denied", reason=reason, total=n)
+
+    def error(self, msg: str, *args) -> None:
+        log.error("link.trainer.zap_error", detail=(msg % args)[:200])
