@@ -1,16 +1,21 @@
 """ActorDaemon: the actor role's lifecycle on one node.
 
 Owns: this node's engines, its AdmissionRouter, the LLMClient episodes use,
-the configured cubes and the RolloutScheduler. Startup brings every engine
-and cube up (tearing down what was started if one fails); run() schedules
-episodes and puts complete groups on ``self.groups``, where the trainer link
-picks them up; shutdown cancels episodes in flight, closes cubes, stops
-engines.
+the configured cubes, the RolloutScheduler and the link to the trainer.
+Startup brings every engine and cube up (tearing down what was started if
+one fails) and connects to the trainer; run() schedules episodes, hands
+complete groups to the link, and obeys the trainer's control requests (join
+a weight-broadcast group epoch, apply a weight update while generation goes
+on); shutdown stops admitting, cancels episodes in flight, flushes
+unacknowledged groups for a while, closes cubes and stops engines.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import os
+import secrets
 
 from rlnode.actor.engine import Engine, SamplingSettings
 from rlnode.actor.episode import ChatRenderer, EpisodeSettings
@@ -22,6 +27,14 @@ from rlnode.cubes.base import Cube
 from rlnode.log import get_logger
 
 log = get_logger("rlnode.actor")
+
+WORKER_EXTENSION = "rlnode.actor.weight_receiver.WeightReceiverExtension"
+# How long shutdown waits for the trainer to acknowledge what was delivered.
+FLUSH_TIMEOUT_S = 10.0
+
+
+def trainer_endpoint(peer: str) -> str:
+    return peer if "://" in peer else f"tcp://{peer}"
 
 
 def episode_settings(cfg: Config) -> EpisodeSettings:
@@ -40,8 +53,14 @@ class ActorDaemon:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.peers = cfg.actor.peers
+        self.node_id = (cfg.actor.node_id or os.uname().nodename).replace("/", "-")
+        self.incarnation = secrets.token_hex(4)
         ecfg = cfg.actor.engine
-        self.engines = [Engine(i, cfg.model, ecfg) for i in range(ecfg.num_engines)]
+        # The weight receiver runs inside each engine's worker processes; it
+        # is only needed when a trainer will push weights.
+        ext = WORKER_EXTENSION if self.peers else None
+        self.engines = [Engine(i, cfg.model, ecfg, worker_extension_cls=ext) for i in range(ecfg.num_engines)]
+        self.link = None
         self.router = AdmissionRouter(
             ecfg.num_engines, cfg.actor.router.llm_max_rollouts, cfg.actor.router.affinity
         )
@@ -66,11 +85,13 @@ class ActorDaemon:
                 started.append(engine)
             if self.cubes:
                 self.scheduler = await self._make_scheduler()
+            if self.peers:
+                await self._connect()
         except BaseException:
             await asyncio.gather(*(e.shutdown() for e in started), return_exceptions=True)
             await close_cubes(self.cubes)
             raise
-        log.info("actor.started", engines=len(self.engines), peers=self.peers,
+        log.info("actor.started", node=self.node_id, engines=len(self.engines), peers=self.peers,
                  llm_max_rollouts=self.router.capacity, cubes=list(self.cubes))
 
     async def _make_scheduler(self) -> RolloutScheduler:
@@ -81,29 +102,103 @@ class ActorDaemon:
         sched = RolloutScheduler(
             self.cubes, {c.id: c.weight for c in cfg.actor.cubes}, [c.id for c in cfg.actor.cubes if c.eval],
             self.client, ChatRenderer(tok), cfg.actor.scheduler, episode_settings(cfg), self.versions,
-            seed=cfg.run.seed, on_eval=lambda r: log.info("eval", version=r.version, cubes=r.cubes),
+            seed=cfg.run.seed, on_eval=self._on_eval, id_prefix=f"{self.node_id}-{self.incarnation}-",
         )
         await sched.prepare()
         return sched
 
+    async def _connect(self) -> None:
+        from rlnode.link.actor_link import ActorLink
+
+        tp = self.cfg.actor.engine.tensor_parallel_size
+        self.link = ActorLink(trainer_endpoint(self.peers[0]), self.node_id,
+                              [(e.engine_id, tp) for e in self.engines], self.cfg.link,
+                              incarnation=self.incarnation, stats=self._stats)
+        await self.link.start()
+
+    def _stats(self) -> dict[str, float]:
+        r = self.router.stats()
+        return {"in_flight": float(sum(r.in_flight)), "waiting": float(r.waiting),
+                "leases": float(r.leases_granted)}
+
+    def _on_eval(self, report) -> None:
+        log.info("eval", version=report.version, cubes=report.cubes)
+        if self.link is not None:
+            self.link.report_eval(report.version, report.cubes)
+
     async def run(self, stop: asyncio.Event) -> None:
-        if self.scheduler is None:
-            await stop.wait()
-            return
-        rollouts = asyncio.create_task(self.scheduler.run(self.groups), name="rollouts")
+        jobs = []
+        if self.scheduler is not None:
+            jobs.append(asyncio.create_task(self.scheduler.run(self.groups), name="rollouts"))
+        if self.link is not None:
+            jobs.append(asyncio.create_task(self._forward_groups(), name="forward"))
+            jobs.append(asyncio.create_task(self._control_loop(), name="control"))
         stopping = asyncio.create_task(stop.wait())
         try:
-            await asyncio.wait([rollouts, stopping], return_when=asyncio.FIRST_COMPLETED)
-            if rollouts.done():
-                rollouts.result()  # a scheduler that ended on its own is an error: raise it
+            done, _ = await asyncio.wait([stopping, *jobs], return_when=asyncio.FIRST_COMPLETED)
+            for t in done:
+                if t is not stopping:
+                    t.result()  # a loop that ended on its own is an error: raise it
         finally:
-            rollouts.cancel()
             stopping.cancel()
-            await asyncio.gather(rollouts, return_exceptions=True)
+            for t in jobs:
+                t.cancel()
+            await asyncio.gather(*jobs, return_exceptions=True)
+
+    async def _forward_groups(self) -> None:
+        from rlnode.wire import group_to_delivery
+
+        while True:
+            group = await self.groups.get()
+            self.link.submit(group_to_delivery(group, self.node_id))
+
+    async def _control_loop(self) -> None:
+        from rlnode.wire import ControlReply, ControlRequest
+
+        while True:
+            item = await self.link.next_control()
+            if isinstance(item, ControlRequest):
+                # Run each request as its own task: a weight update must not
+                # hold up the next request's reading (e.g. a new epoch).
+                asyncio.create_task(self._answer(item))
+
+    async def _answer(self, req) -> None:
+        from rlnode.wire import ControlReply
+
+        try:
+            payload = await self._handle(req.kind, req.payload)
+            reply = ControlReply(req.request_id, True, payload=payload)
+        except Exception as e:  # reported to the trainer, never fatal here
+            log.warning("control.failed", kind=req.kind, error=repr(e))
+            reply = ControlReply(req.request_id, False, error=repr(e)[:500])
+        self.link.reply(reply)
+
+    async def _handle(self, kind: str, payload: dict) -> dict:
+        from rlnode.actor.weight_receiver import apply_weight_update, join_group
+        from rlnode.weight_plan import decode_plan, decode_spec
+
+        if kind == "join_group":
+            spec = decode_spec(base64.b64decode(payload["spec"]))
+            await asyncio.gather(*(join_group(e, spec, f"{self.node_id}/{e.engine_id}") for e in self.engines))
+            return {"epoch": spec.epoch}
+        if kind == "update_weights":
+            plan = decode_plan(base64.b64decode(payload["plan"]))
+            timings = await asyncio.gather(*(apply_weight_update(e, plan) for e in self.engines))
+            self.versions.set(plan.version)
+            self.link.set_version(plan.version)
+            return {"version": plan.version, "pause_s": max(t.pause_s for t in timings)}
+        raise ValueError(f"unknown control request {kind!r}")
 
     async def shutdown(self) -> None:
         from rlnode.cubes.registry import close_cubes
 
+        if self.link is not None:
+            # Give the trainer a moment to acknowledge what it was sent;
+            # anything unacknowledged is reported, not silently dropped.
+            acked = await self.link.flush(FLUSH_TIMEOUT_S)
+            c = self.link.counters()
+            log.info("actor.link_flushed", all_acked=acked, unacked=c.unacked, uncommitted=c.uncommitted)
+            await self.link.close()
         await close_cubes(self.cubes)
         results = await asyncio.gather(*(e.shutdown() for e in self.engines), return_exceptions=True)
         for e, r in zip(self.engines, results):

@@ -27,4 +27,13 @@ def run_bench(name: str, cfg: Config, args) -> int:
         else:
             print_table(res)
         return 0
+    if name == "transport":
+        from rlnode.bench.transport import bench_transport, print_table
+
+        res = asyncio.run(bench_transport(args.samples, log=log))
+        if args.json:
+            print(msgspec.json.encode(res).decode())
+        else:
+            print_table(res)
+        return 0
     raise SystemExit(f"unknown benchmark {name!r}")

@@ -100,7 +100,8 @@ class TrainerDaemon:
 
     async def run(self, stop: asyncio.Event) -> None:
         tasks = [asyncio.create_task(c, name=n) for n, c in (
-            ("intake", self._intake()), ("peers", self._peer_events()), ("train", self._train_loop(stop)))]
+            ("intake", self._intake()), ("peers", self._peer_events()), ("evals", self._evals()),
+            ("train", self._train_loop(stop)))]
         stopping = asyncio.create_task(stop.wait())
         try:
             done, _ = await asyncio.wait([stopping, *tasks], return_when=asyncio.FIRST_COMPLETED)
@@ -117,6 +118,12 @@ class TrainerDaemon:
         while True:
             _peer, group = await self.link.next_delivery()
             self.buffer.put(group)
+
+    async def _evals(self) -> None:
+        while True:
+            _peer, report = await self.link.evals.get()
+            for cube_id, stats in report.cubes.items():
+                self.record_eval(report.version, cube_id, stats)
 
     async def _peer_events(self) -> None:
         while True:

@@ -21,6 +21,7 @@ Must not train, and must not block the event loop.
 from __future__ import annotations
 
 import asyncio
+import base64
 import time
 
 from rlnode.link import LinkError
@@ -83,7 +84,7 @@ class WeightPusher:
             return False
         engines = [(f"{pid}/{e.engine_id}", e.num_workers) for pid, es in live.items() for e in es]
         spec = self.broadcaster.new_epoch(engines)
-        blob = encode(spec)
+        blob = base64.b64encode(encode(spec)).decode()  # the payload carries text, not bytes
         own = asyncio.create_task(self.broadcaster.open_group_async(spec))
         failed = await self._requests("join_group", lambda pid: {"spec": blob})
         try:
@@ -104,7 +105,7 @@ class WeightPusher:
         t0 = time.perf_counter()
         tensors = update_tensors(self.model)
         plan = self.broadcaster.plan(tensors, version)
-        blob = encode(plan)
+        blob = base64.b64encode(encode(plan)).decode()
         own = asyncio.create_task(self.broadcaster.broadcast_async(plan, tensors))
         failed = await self._requests("update_weights", lambda pid: {"plan": blob})
         try:
