@@ -39,11 +39,16 @@ class Role(Protocol):
 
 
 class Lifecycle:
-    def __init__(self, roles: list[Role], drain_timeout_s: float = 30.0):
+    def __init__(self, roles: list[Role], drain_timeout_s: float = 30.0, http: tuple[str, int] | None = None):
+        from rlnode.ops.notify import Notifier
+
         self.roles = roles
         self.drain_timeout_s = drain_timeout_s
         self.stop = asyncio.Event()
         self._signals = 0
+        self.notifier = Notifier()
+        self.http = http  # (host, port) of the ops endpoint, or None
+        self.ops = None
 
     def _on_signal(self, signum: int) -> None:
         self._signals += 1
@@ -52,6 +57,7 @@ class Lifecycle:
             os.write(2, b'{"event": "forced exit on second signal"}\n')
             os._exit(EXIT_FORCED)
         log.info("signal", signal=signal.Signals(signum).name)
+        self.notifier.stopping(f"stopping on {signal.Signals(signum).name}")
         self.stop.set()
 
     async def main(self) -> int:
@@ -60,14 +66,19 @@ class Lifecycle:
             loop.add_signal_handler(sig, self._on_signal, sig)
         started: list[Role] = []
         code = EXIT_OK
+        status_task = None
         try:
+            await self._start_ops()
             for role in self.roles:
+                self.notifier.status(f"starting {role.name}")
                 await _until_stopped(role.start(), self.stop)
                 started.append(role)
                 if self.stop.is_set():
                     break
             else:
                 log.info("ready", roles=[r.name for r in self.roles])
+                self.notifier.ready(f"serving: {' + '.join(r.name for r in self.roles)}")
+                status_task = asyncio.create_task(self._report_status())
                 runs = [asyncio.create_task(r.run(self.stop), name=f"run-{r.name}") for r in self.roles]
                 code = await self._supervise(runs)
         except _Stopped:
@@ -76,16 +87,39 @@ class Lifecycle:
             log.exception("fatal")
             code = EXIT_FATAL
         finally:
+            self.notifier.stopping("draining")
+            if status_task is not None:
+                status_task.cancel()
             for role in reversed(started):
                 try:
                     await asyncio.wait_for(role.shutdown(), self.drain_timeout_s)
                 except Exception:
                     log.exception("shutdown failed", role=role.name)
                     code = code or EXIT_FATAL
+            if self.ops is not None:
+                await self.ops.close()
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
         log.info("exit", code=code)
         return code
+
+    async def _start_ops(self) -> None:
+        if self.http is None:
+            return
+        from rlnode.ops.http import OpsServer
+
+        self.ops = OpsServer(self.roles, *self.http, notifier=self.notifier)
+        await self.ops.start()
+
+    async def _report_status(self) -> None:
+        """systemd STATUS= line: what `systemctl status` shows."""
+        while True:
+            parts = []
+            for r in self.roles:
+                st = r.status()
+                parts.append(f"{r.name} v{st.get('version', 0)}" + (f" step {st['step']}" if "step" in st else ""))
+            self.notifier.status(", ".join(parts))
+            await asyncio.sleep(5.0)
 
     async def _supervise(self, runs: list[asyncio.Task]) -> int:
         """Wait for a stop request or for a role to end; a role that ends on
@@ -153,4 +187,7 @@ def run_daemon(cfg: Config, role: str, resume: bool = False) -> int:
         runner = uvloop.run
     except ImportError:  # pragma: no cover - uvloop is a dependency
         runner = asyncio.run
-    return runner(Lifecycle(build_roles(cfg, role, resume)).main())
+    http = None
+    if cfg.http.enabled:
+        http = (cfg.http.host, cfg.http.actor_port if role == "actor" else cfg.http.trainer_port)
+    return runner(Lifecycle(build_roles(cfg, role, resume), http=http).main())

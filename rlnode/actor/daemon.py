@@ -16,6 +16,9 @@ import asyncio
 import base64
 import os
 import secrets
+import time
+
+import msgspec
 
 from rlnode.actor.engine import Engine, SamplingSettings
 from rlnode.actor.episode import ChatRenderer, EpisodeSettings
@@ -61,6 +64,7 @@ class ActorDaemon:
         ext = WORKER_EXTENSION if self.peers else None
         self.engines = [Engine(i, cfg.model, ecfg, worker_extension_cls=ext) for i in range(ecfg.num_engines)]
         self.link = None
+        self._tok_mark = (time.monotonic(), 0)
         self.router = AdmissionRouter(
             ecfg.num_engines, cfg.actor.router.llm_max_rollouts, cfg.actor.router.affinity
         )
@@ -206,3 +210,77 @@ class ActorDaemon:
                 log.error("engine.shutdown_failed", engine=e.engine_id, error=repr(r))
         stats = {c: s.summary() for c, s in self.scheduler.stats.items()} if self.scheduler else {}
         log.info("actor.stopped", leases=self.router.stats().leases_granted, cubes=stats)
+
+    # -- observability (read by rlnode.ops.http; never changes state) ---------------
+
+    def healthy(self) -> tuple[bool, str]:
+        down = [e.engine_id for e in self.engines if e.llm is None]
+        if down:
+            return False, f"engines not serving: {down}"
+        return True, ""
+
+    def status(self) -> dict:
+        r = self.router.stats()
+        out = {
+            "node_id": self.node_id, "incarnation": self.incarnation, "version": self.versions.version,
+            "engines": [{"id": e.engine_id, "serving": e.llm is not None, "in_flight": e.in_flight,
+                         "requests": e.requests_total, "failed": e.requests_failed,
+                         "generated_tokens": e.generated_tokens} for e in self.engines],
+            "router": msgspec.to_builtins(r),
+            "cubes": {c: s.summary() for c, s in self.scheduler.stats.items()} if self.scheduler else {},
+            "groups_started": self.scheduler.started_groups if self.scheduler else 0,
+        }
+        if self.link is not None:
+            out["link"] = {"trainer": self.peers[0], "connected": self.link.connected,
+                           **msgspec.to_builtins(self.link.counters())}
+        return out
+
+    def prometheus(self) -> list:
+        r = self.router.stats()
+        out = [("rlnode_policy_version", "gauge", "policy version the engines hold", {}, self.versions.version),
+               ("rlnode_router_waiting", "gauge", "generations waiting for a lease", {}, r.waiting),
+               ("rlnode_router_leases", "counter", "leases granted", {}, r.leases_granted),
+               ("rlnode_router_lease_wait_seconds_sum", "counter", "total lease wait", {}, r.wait_s_sum),
+               ("rlnode_router_lease_wait_p50_seconds", "gauge", "median lease wait (recent)", {}, r.wait_s_p50),
+               ("rlnode_router_lease_wait_p99_seconds", "gauge", "p99 lease wait (recent)", {}, r.wait_s_p99)]
+        for e in self.engines:
+            lab = {"engine": str(e.engine_id)}
+            out += [("rlnode_router_in_flight", "gauge", "generations holding a lease", lab, r.in_flight[e.engine_id]),
+                    ("rlnode_router_capacity", "gauge", "llm_max_rollouts", lab, self.router.capacity),
+                    ("rlnode_generated_tokens", "counter", "tokens generated", lab, e.generated_tokens),
+                    ("rlnode_generation_requests", "counter", "generation requests", lab, e.requests_total),
+                    ("rlnode_generation_failures", "counter", "failed generation requests", lab, e.requests_failed),
+                    ("rlnode_engine_serving", "gauge", "1 when the engine is up", lab, float(e.llm is not None))]
+        if self.scheduler:
+            for cube, s in self.scheduler.stats.items():
+                lab = {"cube": cube}
+                out += [("rlnode_episodes", "counter", "episodes completed", lab, s.episodes),
+                        ("rlnode_episode_successes", "counter", "successful episodes", lab, s.successes),
+                        ("rlnode_episode_errors", "counter", "episodes failed after retries", lab, s.errors),
+                        ("rlnode_episode_retries", "counter", "episode retries", lab, s.retries),
+                        ("rlnode_groups", "counter", "complete groups emitted", lab, s.groups),
+                        ("rlnode_groups_dropped", "counter", "groups dropped (failed episode)", lab, s.groups_dropped),
+                        ("rlnode_episode_reward_mean", "gauge", "mean episode reward", lab, s.reward_mean)]
+        if self.link is not None:
+            c = self.link.counters()
+            lab = {"trainer": self.peers[0]}
+            out += [("rlnode_link_connected", "gauge", "1 when registered with the trainer", lab,
+                     float(self.link.connected))]
+            for k, v in msgspec.structs.asdict(c).items():
+                if isinstance(v, (int, float)):
+                    kind = "gauge" if k in ("unacked", "uncommitted") else "counter"
+                    out.append((f"rlnode_link_{k}", kind, f"actor link: {k}", lab, v))
+        return out
+
+    def gauges(self) -> dict[str, float]:
+        r = self.router.stats()
+        tokens = sum(e.generated_tokens for e in self.engines)
+        now = time.monotonic()
+        last_t, last_tok = self._tok_mark
+        self._tok_mark = (now, tokens)
+        rate = (tokens - last_tok) / (now - last_t) if now > last_t else 0.0
+        return {"in_flight": float(sum(r.in_flight)), "waiting": float(r.waiting), "tokens_per_s": rate,
+                "version": float(self.versions.version)}
+
+    def history(self) -> dict:
+        return {}

@@ -24,6 +24,8 @@ import statistics
 import time
 from pathlib import Path
 
+import msgspec
+
 from rlnode.config import Config
 from rlnode.log import bind_context, get_logger
 from rlnode.trainer.buffer import GroupBuffer
@@ -53,6 +55,7 @@ class TrainerDaemon:
         self.last_checkpoint_step = 0
         self.last_metrics: dict = {}
         self.eval_history: list[dict] = []
+        self.step_history: list[dict] = []
 
     # -- startup -----------------------------------------------------------------
 
@@ -172,6 +175,7 @@ class TrainerDaemon:
             **{f"loss/{k}": v for k, v in m.extra.items() if k != "tokens"},
         }
         self.last_metrics = rec
+        self.step_history.append(rec)
         self.metrics.write(rec)
         log.info("step", step=self.step, reward=round(rec["reward_mean"], 3), loss=round(m.loss, 4),
                  samples=m.samples, lag_mean=round(rec["lag_mean"], 2), step_s=round(step_s, 2))
@@ -215,3 +219,70 @@ class TrainerDaemon:
             if hasattr(self, "metrics"):
                 self.metrics.close()
             log.info("trainer.stopped", step=self.step, version=self.version)
+
+    # -- observability (read by rlnode.ops.http; never changes state) ---------------
+
+    def healthy(self) -> tuple[bool, str]:
+        if self.learner is None or self.link is None or not self.link.endpoint:
+            return False, "starting"
+        return True, ""
+
+    def status(self) -> dict:
+        peers = self.link.peers() if self.link else {}
+        return {
+            "version": self.version, "step": self.step, "run_dir": str(self.run_dir),
+            "buffered_groups": len(self.buffer), "max_steps": self.cfg.trainer.max_steps,
+            "last_step": self.last_metrics,
+            "peers": [{"peer": pid, "node_id": p.node_id, "connected": p.connected, "version": p.version,
+                       "groups": p.groups, "last_seen": p.last_seen} for pid, p in peers.items()],
+            "weights": {"pushes": self.pusher.pushes if self.pusher else 0,
+                        "failures": self.pusher.failures if self.pusher else 0,
+                        "last_push_s": self.pusher.last_push_s if self.pusher else 0.0},
+            "link": msgspec.to_builtins(self.link.counters) if self.link else {},
+        }
+
+    def prometheus(self) -> list:
+        m = self.last_metrics
+        b = self.buffer.counters
+        out = [("rlnode_trainer_version", "gauge", "current policy version", {}, self.version),
+               ("rlnode_trainer_steps", "counter", "optimizer steps", {}, self.step),
+               ("rlnode_trainer_buffered_groups", "gauge", "complete groups waiting", {}, len(self.buffer)),
+               ("rlnode_trainer_groups_received", "counter", "groups accepted", {}, b.groups_in),
+               ("rlnode_trainer_samples_dropped_stale", "counter", "samples older than max_lag", {},
+                b.samples_dropped_stale),
+               ("rlnode_trainer_groups_zero_signal", "counter", "groups skipped (no signal)", {},
+                b.groups_zero_signal)]
+        for key, help_ in (("loss", "last step loss"), ("reward_mean", "last step mean episode reward"),
+                           ("grad_norm", "last step gradient norm"), ("lag_mean", "last step mean lag"),
+                           ("lag_max", "last step max lag"), ("step_s", "last step wall time"),
+                           ("train_s", "last step compute time"), ("weight_push_s", "last weight update"),
+                           ("logprob_diff_mean", "last step mean |engine - trainer| logprob")):
+            if key in m:
+                out.append((f"rlnode_trainer_{key}", "gauge", help_, {}, float(m[key])))
+        if self.pusher is not None:
+            out += [("rlnode_weight_pushes", "counter", "weight updates pushed", {}, self.pusher.pushes),
+                    ("rlnode_weight_push_failures", "counter", "failed weight pushes", {}, self.pusher.failures)]
+        if self.link is not None:
+            for pid, p in self.link.peers().items():
+                lab = {"peer": p.node_id}
+                out += [("rlnode_peer_connected", "gauge", "1 when the actor is connected", lab, float(p.connected)),
+                        ("rlnode_peer_version", "gauge", "policy version the actor holds", lab, p.version)]
+            for k, v in msgspec.structs.asdict(self.link.counters).items():
+                if isinstance(v, (int, float)):
+                    out.append((f"rlnode_link_trainer_{k}", "counter", f"trainer link: {k}", {}, v))
+        for rec in self.latest_evals().values():
+            out.append(("rlnode_eval_success", "gauge", "last evaluation success rate", {"cube": rec["cube_id"]},
+                        rec["eval_success"]))
+        return out
+
+    def latest_evals(self) -> dict[str, dict]:
+        last: dict[str, dict] = {}
+        for rec in self.eval_history:
+            last[rec["cube_id"]] = rec
+        return last
+
+    def gauges(self) -> dict[str, float]:
+        return {"version": float(self.version), "buffered_groups": float(len(self.buffer))}
+
+    def history(self) -> dict:
+        return {"steps": self.step_history[-2000:], "evals": self.eval_history[-2000:]}
