@@ -175,6 +175,11 @@ def build_roles(cfg: Config, role: str, resume: bool = False) -> list[Role]:
     if role in ("actor", "all"):
         from rlnode.actor.daemon import ActorDaemon
 
+        if role == "all" and not cfg.actor.peers:
+            # One machine: the actor talks to its own trainer over loopback,
+            # through the same link as a remote actor would.
+            cfg.actor.peers = [f"127.0.0.1:{cfg.trainer.port}"]
+
         roles.append(ActorDaemon(cfg))
     return roles
 

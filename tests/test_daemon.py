@@ -21,10 +21,19 @@ def _session(sid: int) -> set[int]:
     return {int(pid) for pid, stat in (l.split() for l in out.splitlines()) if not stat.startswith("Z")}
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _start(role: str, model_dir, tmp_path) -> subprocess.Popen:
     cmd = [
         sys.executable, "-m", "rlnode", "--role", role, "--config", str(ROOT / "conf/demo.toml"),
         "--set", f"model.path={model_dir}", "--set", f"run.run_dir={tmp_path}", "--log-json",
+        "--set", "http.trainer_port=0", "--set", "http.actor_port=0", "--set", f"trainer.port={free_port()}",
     ]
     env = {**os.environ, "VLLM_CONFIGURE_LOGGING": "0", "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env,
