@@ -20,13 +20,13 @@ def test_eval_json_per_cube(tiny_model_dir, tmp_path):
     )
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout)
-    assert set(out) == {"guess8", "arith"}
+    assert set(out) == {"guess5", "arith"}
     for cube_id, stats in out.items():
         assert stats["episodes"] == 6
         assert stats["errors"] == 0
         assert 0.0 <= stats["success_rate"] <= 1.0
         assert stats["reward_mean"] == pytest.approx(stats["success_rate"])  # 0/1 rewards
-    assert out["guess8"]["turns_mean"] <= 4  # the cube's turn limit
+    assert out["guess5"]["turns_mean"] <= 3  # the cube's turn limit
 
 
 def test_eval_unknown_cube_is_a_clear_error(tmp_path):

@@ -183,14 +183,15 @@ class ActorDaemon:
 
         if kind == "join_group":
             spec = decode_spec(base64.b64decode(payload["spec"]))
-            await asyncio.gather(*(join_group(e, spec, f"{self.node_id}/{e.engine_id}") for e in self.engines))
+            await asyncio.gather(*(join_group(e, spec, spec.member(f"{self.node_id}/{e.engine_id}").first_rank)
+                                   for e in self.engines))
             return {"epoch": spec.epoch}
         if kind == "update_weights":
             plan = decode_plan(base64.b64decode(payload["plan"]))
             timings = await asyncio.gather(*(apply_weight_update(e, plan) for e in self.engines))
             self.versions.set(plan.version)
             self.link.set_version(plan.version)
-            return {"version": plan.version, "pause_s": max(t.pause_s for t in timings)}
+            return {"version": plan.version, "stalled_s": max(t.stalled_s for t in timings)}
         raise ValueError(f"unknown control request {kind!r}")
 
     async def shutdown(self) -> None:

@@ -39,7 +39,7 @@ class WeightPusher:
         self.broadcaster = broadcaster
         self.model = model
         self.request_timeout_s = request_timeout_s
-        self.members: dict[str, list] = {}  # peer_id -> its engines (EngineInfo)
+        self.members: dict[str, tuple[str, list]] = {}  # peer_id -> (node_id, its engines)
         self.dirty = True
         self.lock = asyncio.Lock()  # one epoch change or push at a time
         self.last_push_s = 0.0
@@ -49,8 +49,8 @@ class WeightPusher:
     def membership_changed(self) -> None:
         self.dirty = True
 
-    def _live_peers(self) -> dict[str, list]:
-        return {pid: p.engines for pid, p in self.link.peers().items() if p.connected and p.engines}
+    def _live_peers(self) -> dict[str, tuple[str, list]]:
+        return {pid: (p.node_id, p.engines) for pid, p in self.link.peers().items() if p.connected and p.engines}
 
     async def push(self, version: int) -> bool:
         """Bring every connected actor to ``version``. Returns False when no
@@ -82,7 +82,8 @@ class WeightPusher:
         if not live:
             self.broadcaster.close_group()
             return False
-        engines = [(f"{pid}/{e.engine_id}", e.num_workers) for pid, es in live.items() for e in es]
+        # Members are named "<node id>/<engine id>": how an actor finds its ranks.
+        engines = [(f"{node}/{e.engine_id}", e.num_workers) for node, es in live.values() for e in es]
         spec = self.broadcaster.new_epoch(engines)
         blob = base64.b64encode(encode(spec)).decode()  # the payload carries text, not bytes
         own = asyncio.create_task(self.broadcaster.open_group_async(spec))
