@@ -276,6 +276,12 @@ class RunConfig(_Section):
     run_dir: str = "runs/default"
     # Global seed.
     seed: NonNegInt = 0
+    # Print a human-readable progress line per optimizer step and a final
+    # table to stdout (the demo); logs go to stderr regardless.
+    progress: bool = False
+    # When the last step is an evaluation point, wait this long (s) for its
+    # results before the trainer exits, so the final table has them.
+    final_eval_wait_s: Annotated[float, Meta(ge=0)] = 120.0
 
 
 class Config(_Section):

@@ -156,7 +156,21 @@ class TrainerDaemon:
             if t.checkpoint_every and self.step - self.last_checkpoint_step >= t.checkpoint_every:
                 await self.checkpoint()
         log.info("trainer.done", step=self.step, version=self.version)
-        await stop.wait()
+        await self._wait_final_eval(stop)
+        if self.cfg.run.progress:
+            print_final_table(self)
+
+    async def _wait_final_eval(self, stop: asyncio.Event) -> None:
+        sched = self.cfg.actor.scheduler
+        if not (sched.eval_every and any(c.eval for c in self.cfg.actor.cubes)):
+            return
+        if self.version % sched.eval_every:
+            return
+        deadline = time.monotonic() + self.cfg.run.final_eval_wait_s
+        while time.monotonic() < deadline and not stop.is_set():
+            if any(r["version"] == self.version for r in self.eval_history):
+                return
+            await asyncio.sleep(0.5)
 
     def _write_step_metrics(self, batch, m, push_s: float, pushed: bool, step_s: float) -> None:
         rewards = batch.rewards
@@ -179,6 +193,11 @@ class TrainerDaemon:
         self.metrics.write(rec)
         log.info("step", step=self.step, reward=round(rec["reward_mean"], 3), loss=round(m.loss, 4),
                  samples=m.samples, lag_mean=round(rec["lag_mean"], 2), step_s=round(step_s, 2))
+        if self.cfg.run.progress:
+            evals = " ".join(f"{c}={r['eval_success']:.2f}@v{r['version']}" for c, r in self.latest_evals().items())
+            print(f"step {self.step:4d}  v{self.version:<4d} reward {rec['reward_mean']:.3f}  "
+                  f"success {rec['success_mean']:.3f}  loss {m.loss:+.4f}  lag {rec['lag_mean']:.2f}  "
+                  f"samples {m.samples:4d}  {step_s:5.2f}s  eval {evals or '-'}", flush=True)
 
     def record_eval(self, version: int, cube_id: str, stats: dict) -> None:
         rec = {"eval": True, "version": version, "cube_id": cube_id, "time": time.time(),
@@ -286,3 +305,28 @@ class TrainerDaemon:
 
     def history(self) -> dict:
         return {"steps": self.step_history[-2000:], "evals": self.eval_history[-2000:]}
+
+
+def print_final_table(trainer: TrainerDaemon) -> None:
+    """Eval success over versions per cube, next to reference policies."""
+    from rlnode.cubes.registry import make_cube
+
+    cfg = trainer.cfg
+    print("\nevaluation (held-out test split, sampled at the training temperature)")
+    by_cube: dict[str, list[dict]] = {}
+    for r in trainer.eval_history:
+        by_cube.setdefault(r["cube_id"], []).append(r)
+    for spec in cfg.actor.cubes:
+        rows = by_cube.get(spec.id, [])
+        if not rows:
+            continue
+        refs = make_cube(spec.id, spec.kind, spec.options, cfg.run.seed).reference_scores()
+        print(f"\n  {spec.id} ({spec.kind}{', trained' if spec.weight > 0 else ', eval only'})")
+        print(f"  {'version':>8} {'success':>8} {'reward':>8} {'episodes':>9}")
+        for r in rows:
+            print(f"  {r['version']:>8} {r['eval_success']:>8.3f} {r['eval_reward_mean']:>8.3f} {r['episodes']:>9}")
+        for name, value in refs.items():
+            print(f"  {'':>8} {value:>8.3f}  <- {name.replace('_', ' ')} policy")
+        first, best, last = rows[0]["eval_success"], max(r["eval_success"] for r in rows), rows[-1]["eval_success"]
+        print(f"  first {first:.3f} -> last {last:.3f} (best {best:.3f})")
+    print(f"\nrun directory: {trainer.run_dir} (metrics.jsonl, checkpoints/, final/)", flush=True)
