@@ -186,6 +186,8 @@ class TrainerDaemon:
             "logprob_diff_mean": m.logprob_diff_mean, "train_s": m.step_s,
             "weight_push_s": push_s, "weights_pushed": pushed, "step_s": step_s,
             "buffered_groups": len(self.buffer),
+            # Where each group died: trained (or skipped) in this step.
+            "group_ids": batch.group_ids,
             **{f"loss/{k}": v for k, v in m.extra.items() if k != "tokens"},
         }
         self.last_metrics = rec
