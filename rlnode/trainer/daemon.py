@@ -143,16 +143,14 @@ class TrainerDaemon:
             await self.buffer.wait_ready()
             t_wait = time.perf_counter()
             batch = self.buffer.take_batch(self.version)
-            m = await asyncio.to_thread(self.learner.train_step, batch)
-            self.step += 1
-            self.version += 1
-            bind_context(version=self.version)
-            t_push = time.perf_counter()
-            pushed = await self.pusher.push(self.version)
-            push_s = time.perf_counter() - t_push
-            self.link.set_version(self.version)
-            self.pending_commit += batch.group_ids
-            self._write_step_metrics(batch, m, push_s, pushed, time.perf_counter() - t_wait)
+            m = await self._train(batch)
+            t_push, pushed = time.perf_counter(), False
+            try:
+                pushed = await self.pusher.push(self.version)
+                self.link.set_version(self.version)
+            finally:  # also when stopped mid-push: the step happened, record it
+                self._write_step_metrics(batch, m, time.perf_counter() - t_push, pushed,
+                                         time.perf_counter() - t_wait)
             if t.checkpoint_every and self.step - self.last_checkpoint_step >= t.checkpoint_every:
                 await self.checkpoint()
         log.info("trainer.done", step=self.step, version=self.version)
@@ -171,6 +169,27 @@ class TrainerDaemon:
             if any(r["version"] == self.version for r in self.eval_history):
                 return
             await asyncio.sleep(0.5)
+
+    async def _train(self, batch):
+        """One optimizer step, and its bookkeeping, as one unit: a stop that
+        arrives mid-step waits for it, so the model, the version and the set
+        of consumed groups (saved in the checkpoint) always agree."""
+        step = asyncio.ensure_future(asyncio.to_thread(self.learner.train_step, batch))
+        try:
+            m = await asyncio.shield(step)
+        except asyncio.CancelledError:
+            m = await step
+            self._stepped(batch)
+            self._write_step_metrics(batch, m, 0.0, False, m.step_s)
+            raise
+        self._stepped(batch)
+        return m
+
+    def _stepped(self, batch) -> None:
+        self.step += 1
+        self.version += 1
+        self.pending_commit += batch.group_ids
+        bind_context(version=self.version)
 
     def _write_step_metrics(self, batch, m, push_s: float, pushed: bool, step_s: float) -> None:
         rewards = batch.rewards
