@@ -1,0 +1,258 @@
+"""Trainer side of in-flight weight updates: rank 0 of a stateless group.
+
+Owns: group epochs (rendezvous port, membership, open/close), the bucket
+plan for a model's parameters, and the broadcast of the bytes. One
+``WeightBroadcaster`` per trainer.
+
+Must not touch: engines or actors (the trainer daemon sends ``GroupSpec`` and
+``WeightUpdatePlan`` to actors over ZeroMQ; actors drive their engines with
+``rlnode.actor.weight_receiver``), the optimizer, the model's values (it only
+reads parameters).
+
+Epochs: membership of a group never changes. An actor joining or leaving
+means ``new_epoch(...)`` (fresh port, fresh group) and ``open_group(spec)``,
+which closes the previous group first. A failed broadcast (``TransferError``)
+leaves the epoch unusable; form a new one.
+
+Blocking: ``open_group``, ``broadcast`` and ``close_group`` wait on the other
+ranks (rendezvous, collectives) and are plain functions; the ``*_async``
+wrappers run them with ``asyncio.to_thread`` so the daemon's loop keeps going.
+The caller must ensure the actors join / receive concurrently. Cancelling a
+wrapper does not stop the thread: a broadcast runs to its end or its timeout.
+``broadcast`` reads the parameters as they are: do not step the optimizer
+until it returns (or pass a snapshot).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from rlnode.config import WeightSyncConfig
+from rlnode.log import get_logger
+from rlnode.weight_plan import (
+    GroupMember,
+    GroupSpec,
+    PlanMismatch,
+    TransferError,
+    WeightComm,
+    WeightUpdatePlan,
+    agree_on_plan,
+    dtype_name,
+    pack_bucket,
+    plan_buckets,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+log = get_logger("rlnode.trainer.weights")
+
+# How far above the last epoch's port a new epoch looks for a free one.
+PORT_SEARCH_SPAN = 1000
+# Prefixes that wrappers add to parameter names (DDP, torch.compile); the
+# engine knows the checkpoint names only.
+WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+
+
+class BroadcastStats(msgspec.Struct):
+    version: int
+    epoch: int
+    nbytes: int
+    buckets: int
+    tensors: int
+    agree_s: float  # digest + vote collectives (waits for every receiver to be ready)
+    transfer_s: float  # packing + one broadcast per bucket
+
+
+def update_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(checkpoint name, tensor) for every parameter, each storage once.
+
+    Tied embeddings: ``named_parameters`` already lists a shared parameter
+    once (``model.embed_tokens.weight``; ``lm_head.weight`` is the same
+    tensor), and the engine's tied model has no separate lm_head tensor to
+    fill. Deduplicating by storage as well keeps a tie that a wrapper exposes
+    under two names from travelling twice."""
+    out, seen = [], set()
+    for name, p in model.named_parameters():
+        key = (p.untyped_storage().data_ptr(), p.storage_offset(), tuple(p.shape))
+        if key in seen:
+            continue
+        seen.add(key)
+        for prefix in WRAPPER_PREFIXES:
+            name = name.removeprefix(prefix)
+        out.append((name, p.detach()))
+    return out
+
+
+def resolve_backend(cfg: WeightSyncConfig, device: str) -> str:
+    if cfg.backend != "auto":
+        return cfg.backend
+    return "nccl" if str(device).startswith("cuda") else "gloo"
+
+
+class WeightBroadcaster:
+    """Rank 0: plans and broadcasts weight updates to every engine worker."""
+
+    def __init__(self, cfg: WeightSyncConfig, *, master_host: str, device: str = "cpu",
+                 timeout_s: float = 300.0, send_dtype: str | None = None):
+        self.cfg = cfg
+        self.master_host = cfg.master_host or master_host
+        self.device = device
+        self.backend = resolve_backend(cfg, device)
+        if self.backend == "nccl" and not str(device).startswith("cuda"):
+            raise ValueError("weight_sync.backend = nccl needs the trainer's tensors on cuda")
+        self.timeout_s = timeout_s
+        # e.g. "bfloat16": halve the bytes when the engine serves bf16 while
+        # the trainer keeps fp32 master weights; None = the parameters' dtype.
+        self.send_dtype = send_dtype
+        self.epoch = 0
+        self.spec: GroupSpec | None = None
+        self._comm: WeightComm | None = None
+        self._broken = False
+        self._next_port = cfg.base_port
+        # epoch -> bound listening socket, held from new_epoch to open_group
+        # so no one else takes the port in between.
+        self._reserved: dict[int, socket.socket] = {}
+        self._pack_buf: torch.Tensor | None = None
+
+    # -- epochs ------------------------------------------------------------
+
+    def new_epoch(self, members: Sequence[tuple[str, int]]) -> GroupSpec:
+        """Describe the next group: ``members`` = (actor_id, num_ranks) in
+        rank order. Reserves a fresh port; send the spec to the actors, then
+        ``open_group(spec)`` while they join."""
+        if not members:
+            raise ValueError("a group epoch needs at least one engine")
+        for sock in self._reserved.values():  # specs planned but never opened
+            sock.close()
+        self._reserved.clear()
+        self.epoch += 1
+        sock, port = self._reserve_port()
+        self._reserved[self.epoch] = sock
+        rank, group = 1, []
+        for actor_id, num_ranks in members:
+            group.append(GroupMember(actor_id, rank, num_ranks))
+            rank += num_ranks
+        spec = GroupSpec(self.epoch, self.master_host, port, rank, self.backend,  # type: ignore[arg-type]
+                         tuple(group), self.timeout_s)
+        spec.validate()
+        return spec
+
+    def _reserve_port(self) -> tuple[socket.socket, int]:
+        for port in range(self._next_port, self._next_port + PORT_SEARCH_SPAN):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            try:
+                sock.bind((self.master_host, port))
+                sock.listen()
+            except OSError:
+                sock.close()
+                continue
+            # Next epoch starts above this one: a late worker of the old
+            # epoch can never reach the new rendezvous.
+            self._next_port = port + 1 if port + 1 < 65000 else self.cfg.base_port
+            return sock, port
+        raise TransferError(f"no free port in {self._next_port}..{self._next_port + PORT_SEARCH_SPAN}")
+
+    def open_group(self, spec: GroupSpec) -> None:
+        """Blocking: rendezvous as rank 0 until every member joined (or
+        ``spec.timeout_s``). Closes the previous epoch's group first."""
+        if spec.epoch != self.epoch or spec.epoch not in self._reserved:
+            raise PlanMismatch(f"open_group: epoch {spec.epoch} is not the planned epoch {self.epoch}")
+        self.close_group()
+        t0 = time.monotonic()
+        sock = self._reserved.pop(spec.epoch)
+        try:
+            self._comm = WeightComm(spec, 0, self.device, listen_socket=sock)
+        except Exception as e:
+            sock.close()
+            raise TransferError(f"group epoch {spec.epoch}: rendezvous failed: {e!r}") from e
+        self.spec, self._broken = spec, False
+        log.info("weights.group_opened", epoch=spec.epoch, port=spec.master_port,
+                 world_size=spec.world_size, backend=spec.backend, open_s=round(time.monotonic() - t0, 3))
+
+    def close_group(self) -> None:
+        if self._comm is None:
+            return
+        comm, self._comm = self._comm, None
+        try:
+            comm.close()
+        finally:
+            log.info("weights.group_closed", epoch=comm.spec.epoch)
+
+    # -- updates -----------------------------------------------------------
+
+    def plan(self, tensors: Sequence[tuple[str, torch.Tensor]], version: int) -> WeightUpdatePlan:
+        """The plan for broadcasting ``tensors`` (see ``update_tensors``) as
+        ``version`` on the current epoch."""
+        if self.spec is None:
+            raise TransferError("no open group: new_epoch() + open_group() first")
+        metas = [(n, self.send_dtype or dtype_name(t.dtype), tuple(t.shape)) for n, t in tensors]
+        buckets = plan_buckets(metas, self.cfg.bucket_mb << 20)
+        plan = WeightUpdatePlan(version, self.spec.epoch, buckets, self.spec.backend)
+        plan.validate()
+        return plan
+
+    def broadcast(self, plan: WeightUpdatePlan, tensors: Iterable[tuple[str, torch.Tensor]]) -> BroadcastStats:
+        """Blocking: agree on the plan with every receiver, then one
+        broadcast per bucket. Raises PlanMismatch when a receiver rejected the
+        plan (nothing was sent; the group stays usable), TransferError when
+        the group failed (the epoch is unusable)."""
+        comm = self._usable_comm(plan)
+        by_name = dict(tensors)
+        t0 = time.monotonic()
+        try:
+            rejected = agree_on_plan(comm, plan.digest(), reject=False)
+        except Exception as e:
+            self._broken = True
+            raise TransferError(f"epoch {plan.epoch}: plan vote failed: {e!r}") from e
+        if rejected:
+            raise PlanMismatch(f"version {plan.version}: {rejected} receiver rank(s) rejected the plan")
+        t1 = time.monotonic()
+        try:
+            scratch = self._scratch(max(b.nbytes for b in plan.buckets))
+            for bucket in plan.buckets:
+                # Each broadcast completes before the next pack, so one
+                # scratch buffer serves every bucket.
+                comm.broadcast(pack_bucket(bucket, by_name, self.device, out=scratch))
+        except Exception as e:
+            self._broken = True
+            raise TransferError(f"epoch {plan.epoch}: broadcast failed: {e!r}") from e
+        stats = BroadcastStats(plan.version, plan.epoch, plan.nbytes, len(plan.buckets), plan.num_tensors,
+                               round(t1 - t0, 4), round(time.monotonic() - t1, 4))
+        log.info("weights.broadcast", **msgspec.structs.asdict(stats))
+        return stats
+
+    def _scratch(self, nbytes: int) -> torch.Tensor:
+        """The packing buffer, kept across updates: re-faulting hundreds of
+        MiB of fresh pages per update cost more than the copy itself."""
+        import torch
+
+        if self._pack_buf is None or self._pack_buf.numel() < nbytes:
+            self._pack_buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return self._pack_buf
+
+    def _usable_comm(self, plan: WeightUpdatePlan) -> WeightComm:
+        if self._comm is None or self.spec is None:
+            raise TransferError("no open group")
+        if self._broken:
+            raise TransferError(f"group epoch {self.spec.epoch} failed earlier: form a new epoch")
+        if plan.epoch != self.spec.epoch or plan.backend != self.spec.backend:
+            raise PlanMismatch(f"plan for epoch {plan.epoch}/{plan.backend}, group is {self.spec.epoch}/{self.spec.backend}")
+        return self._comm
+
+    # -- async wrappers (the trainer daemon's event loop must keep running) --
+
+    async def open_group_async(self, spec: GroupSpec) -> None:
+        await asyncio.to_thread(self.open_group, spec)
+
+    async def broadcast_async(self, plan: WeightUpdatePlan, tensors) -> BroadcastStats:
+        return await asyncio.to_thread(self.broadcast, plan, list(tensors))
+
+    async def close_group_async(self) -> None:
+        await asyncio.to_thread(self.close_group)

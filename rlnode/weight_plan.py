@@ -1,0 +1,391 @@
+"""Weight updates on the wire: what the trainer tells engine workers about a
+broadcast before the bytes flow, and the byte layout both ends share.
+
+Owns:
+  * the msgspec Structs the trainer sends to actors inside ZeroMQ messages
+    (trainer -> actor): ``GroupSpec`` (who joins which group epoch, where the
+    rendezvous is) and ``WeightUpdatePlan`` (which tensors, packed how, into
+    which buckets). No pickle and no ``Any``: every field is typed so an actor
+    decodes a plan with one typed decoder and rejects anything malformed;
+  * the bucket layout (byte offsets inside one flat ``uint8`` buffer per
+    bucket) and the pack/unpack helpers for it;
+  * ``WeightComm``: the collective transport both ends use on a stateless
+    group (gloo on CPU; NCCL through vLLM's ``PyNcclCommunicator`` on GPU).
+
+Must not touch: sockets other than the group's rendezvous, engines, models.
+Importing this module does not import torch (config and wire code import it);
+torch and vLLM are imported inside the functions that need them.
+
+Schema evolution: append fields with defaults only (STYLE point 3).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+from collections.abc import Iterable, Sequence
+from datetime import timedelta
+from typing import TYPE_CHECKING, Literal
+
+import msgspec
+
+if TYPE_CHECKING:
+    import socket
+
+    import torch
+
+Backend = Literal["gloo", "nccl"]
+
+# Byte size of each dtype a plan may carry. Names are torch's
+# (``str(torch.float32)`` without the ``torch.`` prefix).
+DTYPE_BYTES: dict[str, int] = {
+    "float32": 4, "bfloat16": 2, "float16": 2, "float64": 8,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
+}
+# Every tensor starts at a multiple of this many bytes inside its bucket, so
+# unpacking is a zero-copy ``view(dtype)`` (which needs aligned offsets) and
+# device kernels see aligned data.
+ALIGN_BYTES = 64
+
+
+class WeightUpdateError(RuntimeError):
+    """A weight update did not happen. Base class."""
+
+
+class PlanMismatch(WeightUpdateError):
+    """The plan does not fit the engine's model (names, shapes, dtypes) or the
+    group it was sent on. Recoverable: nothing was loaded, the engine keeps
+    generating with its old weights, the group stays usable."""
+
+
+class TransferError(WeightUpdateError):
+    """The broadcast itself failed (peer gone, timeout). The group epoch is
+    unusable: close it and form a new one. Engines keep their old weights."""
+
+
+class LoadError(WeightUpdateError):
+    """The engine failed while loading received weights into its model. Fatal
+    for that engine: its weights may be partly updated; restart it."""
+
+
+class TensorMeta(msgspec.Struct, array_like=True, frozen=True):
+    """One tensor inside a bucket (trainer -> actor)."""
+
+    name: str  # checkpoint-format name, e.g. "model.layers.0.mlp.up_proj.weight"
+    dtype: str  # a key of DTYPE_BYTES
+    shape: tuple[int, ...]
+    offset: int  # byte offset inside the bucket's flat buffer, ALIGN_BYTES-aligned
+
+    @property
+    def nbytes(self) -> int:
+        n = DTYPE_BYTES[self.dtype]
+        for d in self.shape:
+            n *= d
+        return n
+
+
+class Bucket(msgspec.Struct, array_like=True, frozen=True):
+    """Tensors packed into one flat uint8 buffer: one collective each."""
+
+    tensors: tuple[TensorMeta, ...]
+    nbytes: int  # size of the flat buffer
+
+
+class WeightUpdatePlan(msgspec.Struct, frozen=True):
+    """Trainer -> actor: the next broadcast on group ``epoch``. The bytes
+    follow on the group as one broadcast per bucket, in order."""
+
+    version: int  # policy version the weights belong to
+    epoch: int  # group epoch the broadcast runs on
+    buckets: tuple[Bucket, ...]
+    backend: Backend
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.buckets)
+
+    @property
+    def num_tensors(self) -> int:
+        return sum(len(b.tensors) for b in self.buckets)
+
+    def tensors(self) -> Iterable[TensorMeta]:
+        for b in self.buckets:
+            yield from b.tensors
+
+    def digest(self) -> int:
+        """A signed 64-bit fingerprint both ends compare on the group before
+        any bucket flows: a stale or different plan would misread bytes.
+        Computed over what decides the byte layout only, so fields appended
+        later (that an older peer drops when decoding) do not change it."""
+        layout = (self.version, self.epoch, [(b.nbytes, [(t.name, t.dtype, t.shape, t.offset) for t in b.tensors])
+                                             for b in self.buckets])
+        h = hashlib.blake2b(msgspec.msgpack.encode(layout), digest_size=8).digest()
+        return int.from_bytes(h, "little", signed=True)
+
+    def validate(self) -> None:
+        """Check internal consistency (not the fit to a model)."""
+        if self.version < 0 or self.epoch < 0:
+            raise PlanMismatch(f"plan: negative version/epoch {self.version}/{self.epoch}")
+        seen: set[str] = set()
+        for i, b in enumerate(self.buckets):
+            end = 0
+            for t in b.tensors:
+                if t.dtype not in DTYPE_BYTES:
+                    raise PlanMismatch(f"plan bucket {i} tensor {t.name!r}: unknown dtype {t.dtype!r}")
+                if t.name in seen:
+                    raise PlanMismatch(f"plan: tensor {t.name!r} appears twice")
+                seen.add(t.name)
+                if t.offset % ALIGN_BYTES or t.offset < end or any(d < 0 for d in t.shape):
+                    raise PlanMismatch(f"plan bucket {i} tensor {t.name!r}: bad offset/shape")
+                end = t.offset + t.nbytes
+            # Exact size: a frame from the network must not make a receiver
+            # allocate more than the tensors it describes.
+            if not b.tensors or end != b.nbytes:
+                raise PlanMismatch(f"plan bucket {i}: tensors end at byte {end}, bucket claims {b.nbytes}")
+
+
+class GroupMember(msgspec.Struct, array_like=True, frozen=True):
+    """One engine in a group epoch: its workers take ranks
+    ``first_rank .. first_rank + num_ranks - 1`` (worker i -> first_rank + i)."""
+
+    actor_id: str  # "<node id>/<engine index>": how the actor finds its entry
+    first_rank: int
+    num_ranks: int = 1  # the engine's model-parallel workers (tp * pp)
+
+
+class GroupSpec(msgspec.Struct, frozen=True):
+    """Trainer -> actor: join group ``epoch``. Rank 0 is the trainer. A new
+    member or a departed one means a new epoch (new port, new group); an
+    epoch's membership never changes."""
+
+    epoch: int
+    master_host: str  # the trainer's rendezvous (TCPStore) host
+    master_port: int
+    world_size: int
+    backend: Backend
+    members: tuple[GroupMember, ...]
+    # Rendezvous and per-collective timeout (s): how long a dead peer can
+    # stall the others before the epoch fails.
+    timeout_s: float = 300.0
+
+    def member(self, actor_id: str) -> GroupMember:
+        for m in self.members:
+            if m.actor_id == actor_id:
+                return m
+        raise PlanMismatch(f"group epoch {self.epoch}: no member {actor_id!r}")
+
+    def validate(self) -> None:
+        """Ranks 1..world_size-1 are each taken exactly once."""
+        taken = sorted(r for m in self.members for r in range(m.first_rank, m.first_rank + m.num_ranks))
+        if taken != list(range(1, self.world_size)) or any(m.num_ranks < 1 for m in self.members):
+            raise PlanMismatch(f"group epoch {self.epoch}: member ranks {taken} do not cover 1..{self.world_size - 1}")
+        if len({m.actor_id for m in self.members}) != len(self.members):
+            raise PlanMismatch(f"group epoch {self.epoch}: duplicate actor ids")
+        if not 0 < self.master_port < 65536 or self.timeout_s <= 0:
+            raise PlanMismatch(f"group epoch {self.epoch}: bad port/timeout")
+
+
+_plan_decoder = msgspec.msgpack.Decoder(WeightUpdatePlan)
+_spec_decoder = msgspec.msgpack.Decoder(GroupSpec)
+
+
+def encode(obj: WeightUpdatePlan | GroupSpec) -> bytes:
+    return msgspec.msgpack.encode(obj)
+
+
+def decode_plan(data: bytes) -> WeightUpdatePlan:
+    try:
+        plan = _plan_decoder.decode(data)
+    except msgspec.ValidationError as e:
+        raise PlanMismatch(f"malformed weight update plan: {e}") from e
+    plan.validate()
+    return plan
+
+
+def decode_spec(data: bytes) -> GroupSpec:
+    try:
+        spec = _spec_decoder.decode(data)
+    except msgspec.ValidationError as e:
+        raise PlanMismatch(f"malformed group spec: {e}") from e
+    spec.validate()
+    return spec
+
+
+# --------------------------------------------------------------------------
+# Layout: which tensors share a bucket, at which offsets.
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN_BYTES) * ALIGN_BYTES
+
+
+def plan_buckets(tensors: Sequence[tuple[str, str, tuple[int, ...]]], bucket_bytes: int) -> tuple[Bucket, ...]:
+    """Greedy, order-preserving packing of (name, dtype, shape) into buckets
+    of at most ``bucket_bytes``; a tensor larger than that travels alone.
+    Order is kept because vLLM's layerwise reload processes a layer as soon
+    as all its tensors arrived: model order keeps few layers half-loaded."""
+    buckets: list[Bucket] = []
+    current: list[TensorMeta] = []
+    end = 0
+    for name, dtype, shape in tensors:
+        meta = TensorMeta(name, dtype, tuple(shape), 0)
+        if current and _align(end) + meta.nbytes > bucket_bytes:
+            buckets.append(Bucket(tuple(current), end))
+            current, end = [], 0
+        meta = TensorMeta(name, dtype, tuple(shape), _align(end))
+        current.append(meta)
+        end = meta.offset + meta.nbytes
+    if current:
+        buckets.append(Bucket(tuple(current), end))
+    return tuple(buckets)
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    import torch
+
+    table = {
+        "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+        "float64": torch.float64, "int64": torch.int64, "int32": torch.int32,
+        "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool,
+    }
+    return table[name]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPE_BYTES:
+        raise PlanMismatch(f"dtype {dtype} cannot travel in a weight update")
+    return name
+
+
+def pack_bucket(bucket: Bucket, tensors: dict[str, torch.Tensor], device,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """One flat uint8 buffer holding the bucket's tensors at their offsets;
+    written into ``out[:nbytes]`` when given (no fresh pages to fault in)."""
+    import torch
+
+    if out is not None and out.numel() >= bucket.nbytes:
+        buf = out[: bucket.nbytes]
+    else:
+        buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
+    end = 0
+    for t in bucket.tensors:
+        buf[end : t.offset].zero_()  # alignment padding: never send stale memory
+        src = tensors[t.name].detach().to(device=device, dtype=torch_dtype(t.dtype)).contiguous()
+        buf[t.offset : t.offset + t.nbytes].copy_(src.reshape(-1).view(torch.uint8))
+        end = t.offset + t.nbytes
+    buf[end:].zero_()
+    return buf
+
+
+def unpack_bucket(bucket: Bucket, buf: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """Views into ``buf`` (no copy): keep ``buf`` alive while they are used."""
+    return [
+        (t.name, buf[t.offset : t.offset + t.nbytes].view(torch_dtype(t.dtype)).view(t.shape))
+        for t in bucket.tensors
+    ]
+
+
+# --------------------------------------------------------------------------
+# Transport: one stateless group, used the same way by rank 0 and the workers.
+
+
+class WeightComm:
+    """A stateless torch.distributed group for weight broadcasts.
+
+    gloo: ``vllm.distributed.utils.stateless_init_torch_distributed_process_group``
+    and the ProcessGroup's own ``broadcast``/``allreduce`` (group ranks; the
+    ``torch.distributed.*`` wrappers would look up global ranks that a
+    stateless group does not have). nccl: vLLM's ``StatelessProcessGroup``
+    (TCPStore rendezvous) + ``PyNcclCommunicator``, as in vLLM's RLHF
+    examples; buffers live on ``device``.
+
+    Blocking: every method waits for the other ranks. Call from a thread.
+    """
+
+    def __init__(self, spec: GroupSpec, rank: int, device, listen_socket: socket.socket | None = None):
+        self.spec, self.rank, self.device = spec, rank, device
+        self._pg = self._nccl = None
+        timeout = timedelta(seconds=spec.timeout_s)
+        if spec.backend == "gloo":
+            from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+
+            self._pg = stateless_init_torch_distributed_process_group(
+                spec.master_host, spec.master_port, rank, spec.world_size, "gloo",
+                listen_socket=listen_socket, timeout=timeout)
+        else:
+            from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+            from vllm.distributed.utils import StatelessProcessGroup
+
+            store_pg = StatelessProcessGroup.create(
+                spec.master_host, spec.master_port, rank, spec.world_size,
+                store_timeout=int(spec.timeout_s), listen_socket=listen_socket)
+            self._nccl = PyNcclCommunicator(store_pg, device=device)
+            if self._nccl.disabled:
+                raise TransferError("NCCL is not available on this host (PyNcclCommunicator disabled)")
+
+    def broadcast(self, tensor: torch.Tensor) -> None:
+        """In place, from rank 0 to every rank."""
+        if self._pg is not None:
+            self._pg.broadcast(tensor, 0).wait()
+        else:
+            import torch
+
+            stream = torch.cuda.current_stream(self.device)
+            self._nccl.broadcast(tensor, src=0, stream=stream)
+            stream.synchronize()
+
+    def sum_int(self, value: int) -> int:
+        """Sum of one int64 over all ranks (the accept/reject vote)."""
+        import torch
+
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
+        if self._pg is not None:
+            self._pg.allreduce([t]).wait()
+            return int(t.item())
+        stream = torch.cuda.current_stream(self.device)
+        out = self._nccl.all_reduce(t, stream=stream)
+        stream.synchronize()
+        return int(out.item())
+
+    def broadcast_int(self, value: int) -> int:
+        import torch
+
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
+        self.broadcast(t)
+        return int(t.item())
+
+    def close(self) -> None:
+        if self._pg is not None:
+            from vllm.distributed.utils import stateless_destroy_torch_distributed_process_group
+
+            pg, self._pg = self._pg, None
+            stateless_destroy_torch_distributed_process_group(pg)
+        if self._nccl is not None:
+            nccl, self._nccl = self._nccl, None
+            nccl.destroy()
+
+
+@contextlib.contextmanager
+def keep_stdout():
+    """Restore fd 1 afterwards. vLLM's gloo init wraps itself in a
+    ``suppress_stdout`` (dup fd 1, point it at /dev/null, dup back) that is
+    not thread-safe: two ranks of one group initialising in threads of one
+    process (tests, the raw benchmark) can leave fd 1 on /dev/null for good.
+    Daemons open one group at a time and do not need this."""
+    saved = os.dup(1)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def agree_on_plan(comm: WeightComm, digest: int, reject: bool) -> int:
+    """The two small collectives before any bucket: rank 0 broadcasts the
+    plan's digest; every rank votes (1 = reject: digest differs, or the plan
+    does not fit its model). Returns the number of rejecting ranks; when it
+    is non-zero, every rank skips the buckets and the group stays usable."""
+    sent = comm.broadcast_int(digest)
+    return comm.sum_int(int(reject or sent != digest))
