@@ -194,7 +194,8 @@ class Engine:
     ) -> Completion:
         """Generate one completion. Cancelling the caller aborts the request
         in the engine; engine failures raise EngineError."""
-        if self.llm is None:
+        llm = self.llm  # shutdown() clears self.llm; this request keeps its engine
+        if llm is None:
             raise EngineError(f"engine {self.engine_id} is not started")
         rid = request_id or f"e{self.engine_id}-{next(self._req_ids)}"
         params = self.sampling_params(sampling)
@@ -203,12 +204,12 @@ class Engine:
         self.requests_total += 1
         final = None
         try:
-            async for out in self.llm.generate({"prompt_token_ids": prompt_token_ids}, params, rid):
+            async for out in llm.generate({"prompt_token_ids": prompt_token_ids}, params, rid):
                 final = out
         except asyncio.CancelledError:
             # AsyncLLM aborts on cancellation too; doing it here makes the
             # guarantee ours rather than an implementation detail of vLLM.
-            await asyncio.shield(self.llm.abort(rid))
+            await asyncio.shield(llm.abort(rid))
             raise
         except Exception as e:
             self.requests_failed += 1

@@ -36,4 +36,20 @@ def run_bench(name: str, cfg: Config, args) -> int:
         else:
             print_table(res)
         return 0
+    if name == "weights":
+        from rlnode.bench.weights import bench_weights, build_bench_model, print_table
+
+        # Built once under the run directory and reused (no temp dirs left behind).
+        models = f"{cfg.run.run_dir}/bench-models"
+        paths = [args.model] if args.model else [build_bench_model(size, f"{models}/{size}") for size in ("tiny", "100m")]
+        results = {}
+        for path in paths:
+            log(f"weights: {path}")
+            results[path] = asyncio.run(bench_weights(path, log=log))
+        if args.json:
+            print(msgspec.json.encode(results if len(results) > 1 else next(iter(results.values()))).decode())
+        else:
+            for res in results.values():
+                print_table(res)
+        return 0
     raise SystemExit(f"unknown benchmark {name!r}")
