@@ -424,6 +424,12 @@ def _check_cubes(cubes: list[CubeConfig]) -> None:
         raise ConfigError("actor.cubes: at least one cube needs weight > 0 to train on")
 
 
+def effective_max_lag(cfg: Config) -> int:
+    """The staleness budget both roles apply: ``trainer.sync`` means 0 (train
+    only on the current version; generation waits for each update)."""
+    return 0 if cfg.trainer.sync else cfg.actor.scheduler.max_lag
+
+
 def to_toml_dict(cfg: Config) -> dict[str, Any]:
     """The effective config as plain data (for logs and the run directory)."""
     return msgspec.to_builtins(cfg)

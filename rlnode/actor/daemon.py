@@ -25,7 +25,7 @@ from rlnode.actor.episode import ChatRenderer, EpisodeSettings
 from rlnode.actor.generation import LLMClient
 from rlnode.actor.router import AdmissionRouter
 from rlnode.actor.scheduler import Group, RolloutScheduler, VersionSource
-from rlnode.config import Config
+from rlnode.config import Config, effective_max_lag
 from rlnode.cubes.base import Cube
 from rlnode.log import get_logger
 
@@ -105,7 +105,9 @@ class ActorDaemon:
         tok = await asyncio.to_thread(AutoTokenizer.from_pretrained, cfg.model.tokenizer or cfg.model.path)
         sched = RolloutScheduler(
             self.cubes, {c.id: c.weight for c in cfg.actor.cubes}, [c.id for c in cfg.actor.cubes if c.eval],
-            self.client, ChatRenderer(tok), cfg.actor.scheduler, episode_settings(cfg), self.versions,
+            self.client, ChatRenderer(tok),
+            msgspec.structs.replace(cfg.actor.scheduler, max_lag=effective_max_lag(cfg)),
+            episode_settings(cfg), self.versions,
             seed=cfg.run.seed, on_eval=self._on_eval, id_prefix=f"{self.node_id}-{self.incarnation}-",
         )
         await sched.prepare()

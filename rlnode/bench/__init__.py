@@ -52,4 +52,14 @@ def run_bench(name: str, cfg: Config, args) -> int:
             for res in results.values():
                 print_table(res)
         return 0
+    if name == "async":
+        from rlnode.bench.asyncrl import bench_async, print_table
+
+        res = bench_async(args.config or "conf/demo.toml", args.steps,
+                          [o for o in args.overrides], log=log)
+        if args.json:
+            print(msgspec.json.encode(res).decode())
+        else:
+            print_table(res)
+        return 0
     raise SystemExit(f"unknown benchmark {name!r}")

@@ -26,16 +26,11 @@ from pathlib import Path
 
 import msgspec
 
-from rlnode.config import Config
+from rlnode.config import Config, effective_max_lag
 from rlnode.log import bind_context, get_logger
 from rlnode.trainer.buffer import GroupBuffer
 
 log = get_logger("rlnode.trainer")
-
-
-def effective_max_lag(cfg: Config) -> int:
-    """``sync`` mode trains only on samples of the current version."""
-    return 0 if cfg.trainer.sync else cfg.actor.scheduler.max_lag
 
 
 class TrainerDaemon:
