@@ -70,6 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--json", action="store_true",
                     help="print one JSON object keyed by cube id instead of a table")
 
+    stp = sub.add_parser("status", help="summarise a running job from its daemons' HTTP endpoints")
+    stp.add_argument("--peers", dest="status_peers", required=True, metavar="HOST:PORT,...",
+                     help="the daemons' [http] endpoints (trainer_port / actor_port), comma-separated")
+    stp.add_argument("--timeout", type=float, default=5.0, help="seconds per daemon (default 5)")
+
     kg = sub.add_parser("keygen", help="make CurveZMQ key pairs for the trainer and actors (link.curve_dir)")
     kg.add_argument("dir", metavar="DIR")
     kg.add_argument("--actor", action="append", metavar="NAME",
@@ -112,6 +117,13 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.command == "tiny-model":
         return _cmd_tiny_model(args)
+    if args.command == "status":
+        import asyncio
+
+        from rlnode.ops.status_cli import status_main
+
+        peers = [p.strip() for p in args.status_peers.split(",") if p.strip()]
+        return asyncio.run(status_main(peers, args.timeout))
     if args.command == "keygen":
         from rlnode.link.curve import keygen
 

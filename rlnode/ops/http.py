@@ -157,8 +157,9 @@ class OpsServer:
 
     async def _status(self, request: web.Request) -> web.Response:
         ok, reasons = self.health()
+        latest = {k: v[-1][1] for k, v in self.samples.items() if v}
         out = {"healthy": ok, "reasons": reasons, "uptime_s": time.time() - self.started,
-               "roles": {r.name: r.status() for r in self.roles}}
+               "roles": {r.name: r.status() for r in self.roles}, "gauges": latest}
         return web.json_response(out, dumps=_dumps)
 
     async def _history(self, request: web.Request) -> web.Response:
