@@ -135,6 +135,9 @@ class SchedulerConfig(_Section):
     eval_episodes: PositiveInt = 64
     # Most of max_concurrent_episodes evaluation may hold at once, (0, 1].
     eval_share: Fraction = 0.25
+    # Sampling temperature for evaluation episodes: < 0 = the training
+    # temperature (actor.sampling.temperature), 0 = greedy decoding.
+    eval_temperature: Annotated[float, Meta(ge=-1)] = -1.0
 
 
 class ActorConfig(_Section):

@@ -52,6 +52,9 @@ def test_batch_drops_stale_and_skips_zero_signal(hf_model):
     assert batch.dropped_stale == 1 and counters.samples_dropped_stale == 1
     assert batch.zero_signal_groups == 1 and counters.groups_zero_signal == 1
     assert batch.rewards == [1.0, 0.0, 1.0, 1.0] and batch.group_ids == ["g1", "g2"]
+    # The normaliser counts the silent group's fresh samples (1 token each),
+    # not the stale one: g1/e0 + g2/e0 + g2/e1.
+    assert (batch.norm_samples, batch.norm_tokens) == (3, 3)
 
 
 def test_train_step_moves_logprob_with_the_advantage(tiny_model_dir, hf_model):

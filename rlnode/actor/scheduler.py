@@ -116,6 +116,10 @@ class RolloutScheduler:
         id_prefix: str = "",
     ):
         self.cubes, self.cfg, self.episode = cubes, cfg, episode
+        self.eval_episode = episode
+        if cfg.eval_temperature >= 0:
+            self.eval_episode = msgspec.structs.replace(
+                episode, sampling=msgspec.structs.replace(episode.sampling, temperature=cfg.eval_temperature))
         self.client, self.renderer, self.versions = client, renderer, versions
         self.train_cubes = [c for c, w in weights.items() if w > 0]
         self.weights = [weights[c] for c in self.train_cubes]
@@ -212,10 +216,11 @@ class RolloutScheduler:
         stats.groups += 1
         await out.put(Group(group_id, ref, start_version, results))
 
-    async def _episode_with_retries(self, ref, episode_id, group_id, stats: CubeStats) -> EpisodeResult | None:
+    async def _episode_with_retries(self, ref, episode_id, group_id, stats: CubeStats,
+                                    settings: EpisodeSettings | None = None) -> EpisodeResult | None:
         for attempt in range(self.cfg.max_retries + 1):
             try:
-                result = await self._one_episode(ref, episode_id, group_id)
+                result = await self._one_episode(ref, episode_id, group_id, settings or self.episode)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # cube/engine failures are retried, never fatal
@@ -231,12 +236,12 @@ class RolloutScheduler:
             return result
         return None
 
-    async def _one_episode(self, ref, episode_id, group_id) -> EpisodeResult:
+    async def _one_episode(self, ref, episode_id, group_id, settings: EpisodeSettings) -> EpisodeResult:
         async with self._slots:
             self.episodes_in_flight += 1
             try:
                 task = await self.cubes[ref.cube_id].open_task(ref.task_id)
-                return await run_episode(self.client, self.renderer, task, self.episode, episode_id,
+                return await run_episode(self.client, self.renderer, task, settings, episode_id,
                                          group_id, lambda: self.versions.version)
             finally:
                 self.episodes_in_flight -= 1
@@ -270,7 +275,7 @@ class RolloutScheduler:
                 self.max_eval_in_flight = max(self.max_eval_in_flight, self.eval_in_flight)
                 try:
                     await self._episode_with_retries(ref, f"eval-v{version}-{cid}-{i}", f"eval-v{version}",
-                                                     stats[cid])
+                                                     stats[cid], self.eval_episode)
                 finally:
                     self.eval_in_flight -= 1
                     if on_episode:

@@ -37,6 +37,14 @@ class Batch:
     dropped_stale: int = 0
     zero_signal_groups: int = 0
     cubes: dict[str, list[float]] = field(default_factory=dict)  # cube id -> episode rewards
+    # Tokens and samples of every fresh sample of the consumed groups,
+    # zero-signal ones included: the loss normaliser. Zero-signal samples
+    # have advantage 0 and contribute no gradient, so they are not run; but
+    # counting them keeps the step size independent of how many groups
+    # happened to be silent (else an early batch with one informative group
+    # would take a many-times larger step).
+    norm_tokens: int = 0
+    norm_samples: int = 0
 
 
 @dataclass
@@ -70,6 +78,10 @@ class GroupBuffer:
         self.counters.groups_in += 1
         self._changed.set()
 
+    def snapshot(self) -> list[GroupDelivery]:
+        """The groups waiting, oldest first (saved with checkpoints)."""
+        return list(self._groups)
+
     async def wait_ready(self) -> None:
         while len(self._groups) < self.groups_per_step:
             self._changed.clear()
@@ -100,6 +112,9 @@ def build_batch(groups: list[GroupDelivery], version: int, max_lag: int, adv_cfg
         if silent[gi]:
             batch.zero_signal_groups += 1
             counters.groups_zero_signal += 1
+            fresh = [s for s in g.samples if version - s.policy_version <= max_lag]
+            batch.norm_samples += len(fresh)
+            batch.norm_tokens += sum(int(s.completion_mask.sum()) for s in fresh)
             continue
         by_episode = {e.episode_id: float(adv[gi, ei]) for ei, e in enumerate(g.episodes)}
         fresh = 0
@@ -112,6 +127,8 @@ def build_batch(groups: list[GroupDelivery], version: int, max_lag: int, adv_cfg
             batch.samples.append(s)
             batch.advantages.append(by_episode[s.episode_id])
             batch.lags.append(lag)
+            batch.norm_samples += 1
+            batch.norm_tokens += int(s.completion_mask.sum())
             fresh += 1
         if fresh == 0:
             counters.groups_dropped_stale += 1

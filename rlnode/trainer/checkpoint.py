@@ -5,8 +5,8 @@ version, RNG states, the ids of consumed groups), finding and loading the
 latest one for ``--resume``, pruning old ones, the final Hugging Face policy
 directory, and the append-only ``metrics.jsonl``.
 
-Atomicity: a checkpoint is written into ``checkpoints/.tmp-step-N``, every
-file fsynced, then renamed to ``checkpoints/step-N`` (rename is atomic on one
+Atomicity: a checkpoint is written into ``checkpoints/.tmp-step-N-T``, every
+file fsynced, then renamed to ``checkpoints/step-N-T`` (rename is atomic on one
 filesystem), then the ``latest`` pointer file is replaced atomically. A crash
 at any point leaves either the previous checkpoint or the new one, never a
 half-written one that ``--resume`` would pick.
@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import torch
 
@@ -76,9 +77,12 @@ class CheckpointManager:
         self.keep = keep
 
     def save(self, step: int, version: int, model, optimizer, scheduler, model_src: str,
-             consumed_ids: list[str], extra: dict[str, Any]) -> Path:
+             consumed_ids: list[str], extra: dict[str, Any], buffered: list | None = None) -> Path:
         self.dir.mkdir(parents=True, exist_ok=True)
-        name = f"step-{step:07d}"
+        # The save time in the name: re-saving the same step (e.g. at shutdown,
+        # with new buffered groups) never touches the checkpoint `latest`
+        # points at until the new one is complete.
+        name = f"step-{step:07d}-{time.time_ns() // 1_000_000}"
         tmp = self.dir / f".tmp-{name}"
         final = self.dir / name
         shutil.rmtree(tmp, ignore_errors=True)
@@ -89,9 +93,10 @@ class CheckpointManager:
         state = {"step": step, "version": version, "saved_at": time.time(),
                  "consumed_group_ids": consumed_ids, **extra}
         (tmp / "state.json").write_text(json.dumps(state))
+        # Groups accepted but not trained yet: saved so an acknowledged group
+        # survives a trainer restart (its actor may already have forgotten it).
+        (tmp / "buffer.msgpack").write_bytes(msgspec.msgpack.encode(buffered or []))
         _fsync_tree(tmp)
-        if final.exists():  # re-saving the same step (e.g. at shutdown): replace it
-            shutil.rmtree(final)
         os.rename(tmp, final)
         _atomic_write_text(self.dir / "latest", name)
         self._prune(keep_name=name)
@@ -127,6 +132,12 @@ class CheckpointManager:
         scheduler.load_state_dict(trainer_state["scheduler"])
         set_rng_state(trainer_state["rng"])
         return json.loads((path / "state.json").read_text())
+
+    def load_buffer(self, path: Path) -> list:
+        from rlnode.wire import GroupDelivery
+
+        f = path / "buffer.msgpack"
+        return msgspec.msgpack.decode(f.read_bytes(), type=list[GroupDelivery]) if f.exists() else []
 
 
 class MetricsWriter:

@@ -89,10 +89,15 @@ class TrainerDaemon:
         L = self.learner
         state = await asyncio.to_thread(self.checkpoints.load, path, L.model, L.optimizer, L.scheduler)
         self.version, self.step = state["version"], state["step"]
+        restored = await asyncio.to_thread(self.checkpoints.load_buffer, path)
+        for g in restored:
+            self.buffer.put(g)
         self.last_checkpoint_step = self.step
         log.info("trainer.resumed", checkpoint=str(path), version=self.version, step=self.step,
-                 consumed_groups=len(state["consumed_group_ids"]))
-        return state["consumed_group_ids"]
+                 consumed_groups=len(state["consumed_group_ids"]), restored_buffered_groups=len(restored))
+        # Restored groups count as consumed for the link: a resend of one is
+        # a duplicate (it is already in the buffer).
+        return state["consumed_group_ids"] + [g.group_id for g in restored]
 
     # -- run -----------------------------------------------------------------------
 
@@ -227,11 +232,13 @@ class TrainerDaemon:
     async def checkpoint(self) -> None:
         L = self.learner
         consumed = self.link.consumed_ids() + self.pending_commit
+        buffered = self.buffer.snapshot()
         path = await asyncio.to_thread(
             self.checkpoints.save, self.step, self.version, L.model, L.optimizer, L.scheduler,
-            self.cfg.model.path, consumed, {"run": self.cfg.run.name})
-        # Only now are these groups durably consumed: actors may forget them.
-        self.link.mark_consumed(self.pending_commit)
+            self.cfg.model.path, consumed, {"run": self.cfg.run.name}, buffered)
+        # Only now are these groups durable here (trained, or saved in the
+        # checkpoint's buffer): their actors may forget them.
+        self.link.mark_consumed(self.pending_commit + [g.group_id for g in buffered])
         self.pending_commit = []
         self.last_checkpoint_step = self.step
         log.info("trainer.checkpoint", path=str(path), step=self.step, version=self.version)
@@ -240,7 +247,8 @@ class TrainerDaemon:
         from rlnode.trainer.checkpoint import save_hf_policy
 
         try:
-            if self.learner is not None and self.link is not None and self.step > self.last_checkpoint_step:
+            if self.learner is not None and self.link is not None and (
+                    self.step > self.last_checkpoint_step or len(self.buffer)):
                 await self.checkpoint()
             if self.learner is not None and self.step > 0:
                 final = self.run_dir / "final"
@@ -328,7 +336,9 @@ def print_final_table(trainer: TrainerDaemon) -> None:
     from rlnode.cubes.registry import make_cube
 
     cfg = trainer.cfg
-    print("\nevaluation (held-out test split, sampled at the training temperature)")
+    t = cfg.actor.scheduler.eval_temperature
+    how = "greedy decoding" if t == 0 else f"sampled at temperature {t if t > 0 else cfg.actor.sampling.temperature}"
+    print(f"\nevaluation (held-out test split, {how})")
     by_cube: dict[str, list[dict]] = {}
     for r in trainer.eval_history:
         by_cube.setdefault(r["cube_id"], []).append(r)

@@ -115,7 +115,7 @@ class Learner:
         cfg = self.cfg.trainer
         samples = batch.samples
         tokens = int(sum(int(s.completion_mask.sum()) for s in samples))
-        normalizer = float(tokens if cfg.loss.normalize == "tokens" else len(samples)) or 1.0
+        normalizer = float(batch.norm_tokens if cfg.loss.normalize == "tokens" else batch.norm_samples) or 1.0
         self.optimizer.zero_grad(set_to_none=True)
         total_loss, diff_sum, agg = 0.0, 0.0, {}
         mb = cfg.micro_batch_size
