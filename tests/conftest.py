@@ -78,3 +78,14 @@ def cube_python() -> str:
         (pytest.fail if os.environ.get("CI") else pytest.skip)(f"cannot build the cube-standard venv (needs Python >= 3.12 and PyPI): "
                     f"{done.stderr.strip()[-500:]}")
     return done.stdout.strip().splitlines()[-1]
+
+
+async def assert_engine_idle(engine, timeout_s: float = 5.0) -> None:
+    """No request is left in the engine (aborts reach the core asynchronously)."""
+    import asyncio
+
+    for _ in range(int(timeout_s / 0.05)):
+        if engine.llm.get_num_unfinished_requests() == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert engine.llm.get_num_unfinished_requests() == 0

@@ -4,6 +4,8 @@ transformers, cancellation, errors."""
 import asyncio
 
 import pytest
+
+from conftest import assert_engine_idle
 import torch
 
 from rlnode.actor.engine import EngineError, SamplingSettings
@@ -83,11 +85,7 @@ async def test_cancel_aborts_request_in_engine(engine, hf):
         await task
     assert engine.requests_total == before + 1
     assert engine.in_flight == 0
-    for _ in range(100):
-        if engine.llm.get_num_unfinished_requests() == 0:
-            break
-        await asyncio.sleep(0.05)
-    assert engine.llm.get_num_unfinished_requests() == 0
+    await assert_engine_idle(engine)
 
 
 async def test_prompt_too_long_is_an_engine_error(engine):

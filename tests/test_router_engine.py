@@ -7,6 +7,8 @@ import time
 
 import pytest
 
+from conftest import assert_engine_idle
+
 from rlnode.actor.engine import EngineError, SamplingSettings
 from rlnode.actor.generation import LLMClient
 from rlnode.actor.router import AdmissionRouter
@@ -62,11 +64,7 @@ async def test_cancelled_callers_free_their_leases(engine):
     assert all(isinstance(r, asyncio.CancelledError) for r in results)
     assert router.in_flight == [0] and router.waiting == 0
     assert engine.in_flight == 0
-    for _ in range(100):
-        if engine.llm.get_num_unfinished_requests() == 0:
-            break
-        await asyncio.sleep(0.05)
-    assert engine.llm.get_num_unfinished_requests() == 0
+    await assert_engine_idle(engine)
     # The gate is fully usable again.
     g = await asyncio.wait_for(client.generate([61] * 5, SamplingSettings(max_tokens=3)), 60)
     assert g.lease.completion_tokens == len(g.completion.token_ids)

@@ -5,6 +5,8 @@ import asyncio
 
 import pytest
 
+from conftest import assert_engine_idle
+
 from rlnode.actor.engine import SamplingSettings
 from rlnode.actor.episode import ChatRenderer, EpisodeSettings
 from rlnode.actor.generation import LLMClient
@@ -147,8 +149,4 @@ async def test_cancel_leaves_no_leases_or_open_tasks(engine):
     assert sched.client.router.in_flight == [0] and sched.client.router.waiting == 0
     assert sched.episodes_in_flight == 0 and sched.in_flight_groups == 0
     assert cube.opened == cube.closed > 0
-    for _ in range(100):
-        if engine.llm.get_num_unfinished_requests() == 0:
-            break
-        await asyncio.sleep(0.05)
-    assert engine.llm.get_num_unfinished_requests() == 0
+    await assert_engine_idle(engine)
