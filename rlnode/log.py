@@ -13,6 +13,22 @@ import sys
 import structlog
 
 
+# The policy version this process holds, stamped on every event. A plain
+# global, not a contextvar: asyncio tasks copy contextvars when created, so a
+# version bound in one task would not reach events of the others.
+_VERSION: dict[str, int] = {}
+
+
+def set_version(version: int) -> None:
+    _VERSION["version"] = version
+
+
+def _add_version(logger, method, event: dict) -> dict:
+    if "version" in _VERSION:
+        event.setdefault("version", _VERSION["version"])
+    return event
+
+
 def setup_logging(level: str = "info", json: bool | None = None) -> None:
     if json is None:
         json = not sys.stderr.isatty()
@@ -24,6 +40,7 @@ def setup_logging(level: str = "info", json: bool | None = None) -> None:
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
+            _add_version,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.format_exc_info,

@@ -197,3 +197,28 @@ def test_dashboard_renders_real_data(running_job, tmp_path):
     keep = os.environ.get("RLNODE_KEEP_SCREENSHOT")
     if keep:
         shutil.copy(shot, keep)
+
+
+@pytest.mark.engine
+def test_status_command(running_job):
+    ok = subprocess.run([sys.executable, "-m", "rlnode", "status", "--peers", f"127.0.0.1:{running_job.http_port}"],
+                        capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0, ok.stderr
+    lines = ok.stdout.splitlines()
+    assert any(" trainer " in l and " ok " in l and "actor(s)" in l for l in lines), ok.stdout
+    assert any(" actor " in l and "connected" in l for l in lines), ok.stdout
+    dead = subprocess.run([sys.executable, "-m", "rlnode", "status", "--peers",
+                           f"127.0.0.1:{running_job.http_port},127.0.0.1:{free_port()}"],
+                          capture_output=True, text=True, timeout=60)
+    assert dead.returncode == 3 and "UNREACHABLE" in dead.stdout
+
+
+def test_log_lines_carry_context(tmp_path):
+    """structlog JSON on stderr: run, role, node and (once set) version on every event."""
+    code = ("from rlnode.log import setup_logging, bind_context, get_logger, set_version\n"
+            "setup_logging('info', json=True); bind_context(run='r1', role='actor', node='n1')\n"
+            "log = get_logger(); log.info('a'); set_version(7); log.info('b', x=1)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    a, b = [json.loads(l) for l in r.stderr.splitlines() if l.startswith("{")]
+    assert (a["event"], a["run"], a["role"], a["node"]) == ("a", "r1", "actor", "n1") and "version" not in a
+    assert (b["event"], b["version"], b["x"], b["level"]) == ("b", 7, 1, "info") and "timestamp" in b

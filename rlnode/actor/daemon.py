@@ -27,7 +27,7 @@ from rlnode.actor.router import AdmissionRouter
 from rlnode.actor.scheduler import Group, RolloutScheduler, VersionSource
 from rlnode.config import Config, effective_max_lag
 from rlnode.cubes.base import Cube
-from rlnode.log import get_logger
+from rlnode.log import get_logger, set_version
 
 log = get_logger("rlnode.actor")
 
@@ -193,6 +193,7 @@ class ActorDaemon:
             timings = await asyncio.gather(*(apply_weight_update(e, plan) for e in self.engines))
             self.versions.set(plan.version)
             self.link.set_version(plan.version)
+            set_version(plan.version)
             return {"version": plan.version, "stalled_s": max(t.stalled_s for t in timings)}
         raise ValueError(f"unknown control request {kind!r}")
 

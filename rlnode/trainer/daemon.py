@@ -27,7 +27,7 @@ from pathlib import Path
 import msgspec
 
 from rlnode.config import Config, effective_max_lag
-from rlnode.log import bind_context, get_logger
+from rlnode.log import get_logger, set_version
 from rlnode.trainer.buffer import GroupBuffer
 
 log = get_logger("rlnode.trainer")
@@ -77,7 +77,7 @@ class TrainerDaemon:
                                         timeout_s=t.weights.timeout_s)
         self.pusher = WeightPusher(self.link, broadcaster, self.learner.model,
                                    request_timeout_s=t.weights.timeout_s + 30)
-        bind_context(version=self.version)
+        set_version(self.version)
         log.info("trainer.started", bind=self.link.endpoint, version=self.version, run_dir=str(self.run_dir),
                  resumed=self.resume, device=str(self.learner.device))
 
@@ -189,7 +189,7 @@ class TrainerDaemon:
         self.step += 1
         self.version += 1
         self.pending_commit += batch.group_ids
-        bind_context(version=self.version)
+        set_version(self.version)
 
     def _write_step_metrics(self, batch, m, push_s: float, pushed: bool, step_s: float) -> None:
         rewards = batch.rewards
