@@ -15,7 +15,9 @@ pytestmark = pytest.mark.engine
 def test_eval_json_per_cube(tiny_model_dir, tmp_path):
     r = subprocess.run(
         [sys.executable, "-m", "rlnode", "eval", "--config", str(ROOT / "conf/demo.toml"),
-         "--model", str(tiny_model_dir), "--set", f"run.run_dir={tmp_path}", "--episodes", "6", "--json"],
+         "--model", str(tiny_model_dir), "--set", f"run.run_dir={tmp_path}", "--episodes", "6", "--json",
+         "--set", 'actor.cubes=[{id="guess5", kind="guessing", options={max_number=5, max_turns=3}},'
+                  ' {id="arith", kind="arithmetic", weight=0.0, options={max_operand=9}}]'],
         capture_output=True, text=True, timeout=300, env={**os.environ, "VLLM_CONFIGURE_LOGGING": "0"},
     )
     assert r.returncode == 0, r.stderr[-3000:]

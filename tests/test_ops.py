@@ -122,7 +122,7 @@ def running_job(tiny_model_dir, tmp_path_factory):
     d = Daemon("job", daemon_args("all", tiny_model_dir, tmp / "run", port, http, [
         "--set", "actor.scheduler.groups_per_step=2", "--set", "actor.scheduler.attempts=4",
         "--set", "actor.scheduler.eval_every=2", "--set", "actor.scheduler.eval_episodes=8",
-        "--set", "trainer.checkpoint_every=0"]), tmp, http)
+        "--set", "trainer.checkpoint_every=0", "--set", "actor.router.llm_max_rollouts=8"]), tmp, http)
     try:
         d.wait(lambda st: st["roles"]["trainer"]["version"] >= 4, 400, "4 versions")
         yield d
