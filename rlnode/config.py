@@ -240,6 +240,10 @@ class TrainerConfig(_Section):
     advertise_host: str = "127.0.0.1"
     # Device for the trainer model: "auto" = cuda if available, else cpu.
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # CPU trainer: torch intra-op threads; 0 = torch's default (all cores).
+    # With an engine on the same CPU (`--role all`), fewer threads avoid
+    # oversubscribing the cores the engine's OpenMP threads use.
+    cpu_threads: NonNegInt = 0
     # Optimizer steps to run; 0 = until stopped.
     max_steps: NonNegInt = 0
     # Samples per micro-batch (gradient accumulation splits a step).

@@ -60,6 +60,8 @@ class Learner:
         self.cfg = cfg
         t = cfg.trainer
         self.device = resolve_trainer_device(t.device)
+        if self.device.type == "cpu" and t.cpu_threads:
+            torch.set_num_threads(t.cpu_threads)
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(
             cfg.model.dtype, torch.float32)
         self.model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=dtype).to(self.device)
