@@ -194,22 +194,21 @@ def encode(obj: WeightUpdatePlan | GroupSpec) -> bytes:
     return msgspec.msgpack.encode(obj)
 
 
-def decode_plan(data: bytes) -> WeightUpdatePlan:
+def _decode(decoder: msgspec.msgpack.Decoder, data: bytes, what: str):
     try:
-        plan = _plan_decoder.decode(data)
-    except msgspec.ValidationError as e:
-        raise PlanMismatch(f"malformed weight update plan: {e}") from e
-    plan.validate()
-    return plan
+        obj = decoder.decode(data)
+    except msgspec.DecodeError as e:  # malformed bytes and wrong shapes alike
+        raise PlanMismatch(f"malformed {what}: {e}") from e
+    obj.validate()
+    return obj
+
+
+def decode_plan(data: bytes) -> WeightUpdatePlan:
+    return _decode(_plan_decoder, data, "weight update plan")
 
 
 def decode_spec(data: bytes) -> GroupSpec:
-    try:
-        spec = _spec_decoder.decode(data)
-    except msgspec.ValidationError as e:
-        raise PlanMismatch(f"malformed group spec: {e}") from e
-    spec.validate()
-    return spec
+    return _decode(_spec_decoder, data, "group spec")
 
 
 # --------------------------------------------------------------------------
