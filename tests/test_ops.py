@@ -60,6 +60,41 @@ def _drain(sock, into: list[str]) -> None:
             return
 
 
+class _Collector:
+    """Reads the notify socket continuously, like systemd does (the kernel
+    queues only ~10 datagrams for a receiver that does not read)."""
+
+    def __init__(self, sock):
+        import threading
+
+        self.sock, self.msgs, self.stop = sock, [], False
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        while not self.stop:
+            _drain(self.sock, self.msgs)
+
+    def close(self) -> list[str]:
+        self.stop = True
+        self.thread.join()
+        _drain(self.sock, self.msgs)
+        return self.msgs
+
+
+def test_notify_never_blocks_on_a_full_queue(tmp_path):
+    from rlnode.ops.notify import Notifier
+
+    sock = _notify_socket(tmp_path)  # bound, never read
+    n = Notifier({"NOTIFY_SOCKET": str(tmp_path / "notify.sock"), "WATCHDOG_USEC": "1000000"})
+    assert n.watchdog_s == 1.0
+    t0 = time.monotonic()
+    sent = [n.watchdog() for _ in range(200)]
+    assert time.monotonic() - t0 < 2.0  # a blocking send would hang here forever
+    assert sent[0] is True and sent.count(False) == n.dropped > 0
+    assert sock.recv(100) == b"WATCHDOG=1"
+
+
 @pytest.mark.engine
 def test_notify_order_and_sigterm_midrun(tiny_model_dir, tmp_path):
     """READY after the engine is up, WATCHDOG while healthy, STOPPING on
@@ -76,10 +111,10 @@ def test_notify_order_and_sigterm_midrun(tiny_model_dir, tmp_path):
         d = Daemon("all", args, tmp_path, http)
     finally:
         del os.environ["NOTIFY_SOCKET"], os.environ["WATCHDOG_USEC"]
-    msgs: list[str] = []
+    collector = _Collector(sock)
     try:
         d.wait(lambda st: st["roles"]["trainer"]["version"] >= 3, 400, "3 versions")
-        _drain(sock, msgs)
+        msgs = list(collector.msgs)
         ready = [i for i, m in enumerate(msgs) if "READY=1" in m]
         assert len(ready) == 1
         assert all("READY=1" not in m for m in msgs[: ready[0]])
@@ -92,7 +127,7 @@ def test_notify_order_and_sigterm_midrun(tiny_model_dir, tmp_path):
         assert d.terminate(90) == 0
     finally:
         d.kill()
-    _drain(sock, msgs)
+        msgs = collector.close()
     stopping = [i for i, m in enumerate(msgs) if "STOPPING=1" in m]
     assert stopping and stopping[0] > ready[0]
     # Nothing left running in the daemon's session.

@@ -26,6 +26,7 @@ class Notifier:
         self.watchdog_s = int(usec) / 1e6 if usec.isdigit() and ours else 0.0
         self._sock: socket.socket | None = None
         self.sent: list[str] = []  # last messages, for /status and tests
+        self.dropped = 0  # notifications that could not be sent
 
     @property
     def enabled(self) -> bool:
@@ -39,8 +40,12 @@ class Notifier:
         try:
             if self._sock is None:
                 self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+                # Never block the event loop: a receiver that does not read
+                # (full queue) costs us a dropped notification, not a hang.
+                self._sock.setblocking(False)
             self._sock.sendto(msg.encode(), self.address)
-        except OSError:
+        except OSError:  # includes BlockingIOError on a full queue
+            self.dropped += 1
             return False
         self.sent = (self.sent + [msg])[-20:]
         return True
