@@ -147,6 +147,22 @@ class Lifecycle:
         return code
 
 
+async def run_until_stopped(jobs: list[asyncio.Task], stop: asyncio.Event) -> None:
+    """A role's run(): serve until ``stop`` is set or one job ends (a job that
+    ends on its own with an error raises it here); then cancel the rest."""
+    stopping = asyncio.create_task(stop.wait())
+    try:
+        done, _ = await asyncio.wait([stopping, *jobs], return_when=asyncio.FIRST_COMPLETED)
+        for t in done:
+            if t is not stopping:
+                t.result()
+    finally:
+        stopping.cancel()
+        for t in jobs:
+            t.cancel()
+        await asyncio.gather(*jobs, return_exceptions=True)
+
+
 class _Stopped(Exception):
     pass
 

@@ -26,6 +26,7 @@ from rlnode.actor.generation import LLMClient
 from rlnode.actor.router import AdmissionRouter
 from rlnode.actor.scheduler import Group, RolloutScheduler, VersionSource
 from rlnode.config import Config, effective_max_lag
+from rlnode.daemon import run_until_stopped
 from rlnode.cubes.base import Cube
 from rlnode.log import get_logger, set_version
 
@@ -139,17 +140,7 @@ class ActorDaemon:
         if self.link is not None:
             jobs.append(asyncio.create_task(self._forward_groups(), name="forward"))
             jobs.append(asyncio.create_task(self._control_loop(), name="control"))
-        stopping = asyncio.create_task(stop.wait())
-        try:
-            done, _ = await asyncio.wait([stopping, *jobs], return_when=asyncio.FIRST_COMPLETED)
-            for t in done:
-                if t is not stopping:
-                    t.result()  # a loop that ended on its own is an error: raise it
-        finally:
-            stopping.cancel()
-            for t in jobs:
-                t.cancel()
-            await asyncio.gather(*jobs, return_exceptions=True)
+        await run_until_stopped(jobs, stop)
 
     async def _forward_groups(self) -> None:
         from rlnode.wire import group_to_delivery

@@ -27,6 +27,7 @@ from pathlib import Path
 import msgspec
 
 from rlnode.config import Config, effective_max_lag
+from rlnode.daemon import run_until_stopped
 from rlnode.log import get_logger, set_version
 from rlnode.trainer.buffer import GroupBuffer
 
@@ -105,17 +106,7 @@ class TrainerDaemon:
         tasks = [asyncio.create_task(c, name=n) for n, c in (
             ("intake", self._intake()), ("peers", self._peer_events()), ("evals", self._evals()),
             ("train", self._train_loop(stop)))]
-        stopping = asyncio.create_task(stop.wait())
-        try:
-            done, _ = await asyncio.wait([stopping, *tasks], return_when=asyncio.FIRST_COMPLETED)
-            for t in done:
-                if t is not stopping:
-                    t.result()  # a loop that ended on its own: raise its error
-        finally:
-            stopping.cancel()
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+        await run_until_stopped(tasks, stop)
 
     async def _intake(self) -> None:
         while True:
