@@ -163,6 +163,16 @@ async def run_until_stopped(jobs: list[asyncio.Task], stop: asyncio.Event) -> No
         await asyncio.gather(*jobs, return_exceptions=True)
 
 
+def spawn(tasks: set[asyncio.Task], coro) -> asyncio.Task:
+    """Start a background task and keep a reference to it until it ends (the
+    event loop holds only weak references: an unreferenced task can be
+    garbage-collected mid-flight)."""
+    t = asyncio.create_task(coro)
+    tasks.add(t)
+    t.add_done_callback(tasks.discard)
+    return t
+
+
 class _Stopped(Exception):
     pass
 

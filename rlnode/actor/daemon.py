@@ -26,7 +26,7 @@ from rlnode.actor.generation import LLMClient
 from rlnode.actor.router import AdmissionRouter
 from rlnode.actor.scheduler import Group, RolloutScheduler, VersionSource
 from rlnode.config import Config, effective_max_lag
-from rlnode.daemon import run_until_stopped
+from rlnode.daemon import run_until_stopped, spawn
 from rlnode.cubes.base import Cube
 from rlnode.log import get_logger, set_version
 
@@ -65,6 +65,7 @@ class ActorDaemon:
         ext = WORKER_EXTENSION if self.peers else None
         self.engines = [Engine(i, cfg.model, ecfg, worker_extension_cls=ext) for i in range(ecfg.num_engines)]
         self.link = None
+        self._background: set[asyncio.Task] = set()  # control-request handlers in flight
         self._tok_mark = (time.monotonic(), 0)
         self.router = AdmissionRouter(
             ecfg.num_engines, cfg.actor.router.llm_max_rollouts, cfg.actor.router.affinity
@@ -157,7 +158,7 @@ class ActorDaemon:
             if isinstance(item, ControlRequest):
                 # Run each request as its own task: a weight update must not
                 # hold up the next request's reading (e.g. a new epoch).
-                asyncio.create_task(self._answer(item))
+                spawn(self._background, self._answer(item))
 
     async def _answer(self, req) -> None:
         from rlnode.wire import ControlReply

@@ -27,6 +27,7 @@ import msgspec
 from rlnode.actor.episode import ChatRenderer, EpisodeResult, EpisodeSettings, run_episode
 from rlnode.actor.generation import LLMClient
 from rlnode.config import SchedulerConfig
+from rlnode.daemon import spawn
 from rlnode.cubes.base import Cube, CubeTaskRef
 from rlnode.log import get_logger
 
@@ -184,10 +185,7 @@ class RolloutScheduler:
             await self.cancel_all()
 
     def _spawn(self, coro) -> asyncio.Task:
-        t = asyncio.create_task(coro)
-        self._tasks.add(t)
-        t.add_done_callback(self._tasks.discard)
-        return t
+        return spawn(self._tasks, coro)
 
     async def cancel_all(self) -> None:
         tasks = list(self._tasks)

@@ -27,7 +27,7 @@ from pathlib import Path
 import msgspec
 
 from rlnode.config import Config, effective_max_lag
-from rlnode.daemon import run_until_stopped
+from rlnode.daemon import run_until_stopped, spawn
 from rlnode.log import get_logger, set_version
 from rlnode.trainer.buffer import GroupBuffer
 
@@ -52,6 +52,7 @@ class TrainerDaemon:
         self.last_metrics: dict = {}
         self.eval_history: list[dict] = []
         self.step_history: list[dict] = []
+        self._background: set[asyncio.Task] = set()  # weight pushes for joining actors
 
     # -- startup -----------------------------------------------------------------
 
@@ -126,7 +127,7 @@ class TrainerDaemon:
             self.pusher.membership_changed()
             if ev.kind == "joined":
                 # A (re)joining actor gets the current weights right away.
-                asyncio.create_task(self.pusher.push(self.version))
+                spawn(self._background, self.pusher.push(self.version))
 
     async def _train_loop(self, stop: asyncio.Event) -> None:
         t = self.cfg.trainer
