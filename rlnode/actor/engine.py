@@ -144,6 +144,10 @@ class Engine:
         self.requests_total = 0
         self.requests_failed = 0
         self.generated_tokens = 0
+        # The policy version the engine's weights hold (set by the weight
+        # receiver once a load has finished). It salts the prefix cache: see
+        # ``generate``.
+        self.weight_version = "0"
 
     async def start(self) -> None:
         if self.device == "cpu":
@@ -202,9 +206,18 @@ class Engine:
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         self.requests_total += 1
+        # Prefix-cache blocks hold KV computed by the weights of their time.
+        # After an update a new request must not reuse them (its logprobs
+        # would mix two policies; the demo's logprob_diff_mean grew to 1.4
+        # nats that way), while requests kept in flight across the update
+        # keep theirs. A per-version cache salt does both: it is part of the
+        # first block's hash, so new requests only match blocks computed
+        # under the weights they run with, and stale blocks age out by LRU.
+        # (reset_prefix_cache cannot: it fails while requests hold blocks.)
+        prompt = {"prompt_token_ids": prompt_token_ids, "cache_salt": f"rlnode-v{self.weight_version}"}
         final = None
         try:
-            async for out in llm.generate({"prompt_token_ids": prompt_token_ids}, params, rid):
+            async for out in llm.generate(prompt, params, rid):
                 final = out
         except asyncio.CancelledError:
             # AsyncLLM aborts on cancellation too; doing it here makes the

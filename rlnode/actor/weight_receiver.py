@@ -475,8 +475,10 @@ async def _pause_load_resume(engine: Engine, version: int, receive=None) -> dict
             results = await _rpc(engine, "rlnode_load", version)
         except Exception as e:
             raise LoadError(f"engine {engine.engine_id}: loading version {version} failed: {e!r}") from e
-        # Tokens from here on are produced by the new weights.
+        # Tokens from here on are produced by the new weights; requests
+        # submitted from here on get the new prefix-cache salt.
         await llm.update_weight_version(str(version))
+        engine.weight_version = str(version)
     finally:
         t3 = time.monotonic()
         await asyncio.shield(llm.resume_generation())
