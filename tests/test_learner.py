@@ -76,6 +76,23 @@ def test_train_step_moves_logprob_with_the_advantage(tiny_model_dir, hf_model):
     assert m.lr == 1e-2
 
 
+def test_on_policy_parity_metric_counts_only_lag0_samples(tiny_model_dir, hf_model):
+    cfg = load_config(None, [f"model.path={tiny_model_dir}", "trainer.device=\"cpu\"", "trainer.micro_batch_size=1"])
+    learner = Learner(cfg)
+    # Version 3: e0 was sampled by version 3 (exact logprobs), e1 by version 2
+    # (its behaviour logprobs differ by 0.5 nats per token).
+    on = make_sample(hf_model, [5, 6], [40, 41], "g/e0", 3)
+    off = make_sample(hf_model, [5, 6], [50, 51], "g/e1", 2, behaviour_shift=0.5)
+    batch = build_batch([group("g", [1.0, 0.0], [on, off])], 3, 1, AdvantageConfig(), BufferCounters())
+    m = learner.train_step(batch)
+    assert m.on_policy_diff_max is not None and m.on_policy_diff_max < 1e-5
+    assert abs(m.logprob_diff_mean - 0.25) < 1e-4  # 0.5 on half of the tokens
+    only_stale = build_batch([group("h", [1.0, 0.0], [make_sample(hf_model, [5], [6], "h/e0", 2),
+                                                      make_sample(hf_model, [5], [7], "h/e1", 2)])],
+                             3, 1, AdvantageConfig(), BufferCounters())
+    assert learner.train_step(only_stale).on_policy_diff_max is None
+
+
 def test_lr_schedule():
     assert lr_factor(0, 4, 100, "cosine", 0.1) == 0.25
     assert lr_factor(3, 4, 100, "cosine", 0.1) == 1.0

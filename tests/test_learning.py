@@ -37,6 +37,9 @@ def test_reward_goes_up(tmp_path):
     # Weight updates reached the engine every step, and the engine's
     # logprobs stayed those of the policy the trainer scores.
     assert all(x["weights_pushed"] for x in records if "step" in x)
-    on_policy = [x["logprob_diff_mean"] for x in records if "step" in x and x["lag_max"] == 0]
-    assert on_policy and max(on_policy) < 1e-3
+    # (lag-0 tokens: the engine held exactly the trainer's weights; a stale
+    # prefix cache once broke this by 1e-2..1 nats.)
+    on_policy = [x["logprob_diff_on_policy_max"] for x in records
+                 if "step" in x and x["logprob_diff_on_policy_max"] is not None]
+    assert len(on_policy) > steps // 2 and max(on_policy) < 1e-3, on_policy
     assert (tmp_path / "run" / "final" / "config.json").exists()

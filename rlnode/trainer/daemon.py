@@ -194,7 +194,8 @@ class TrainerDaemon:
             "lag_max": max(batch.lags, default=0),
             "dropped_stale": batch.dropped_stale, "zero_signal_groups": batch.zero_signal_groups,
             "loss": m.loss, "grad_norm": m.grad_norm, "lr": m.lr,
-            "logprob_diff_mean": m.logprob_diff_mean, "train_s": m.step_s,
+            "logprob_diff_mean": m.logprob_diff_mean, "logprob_diff_on_policy_max": m.on_policy_diff_max,
+            "train_s": m.step_s,
             "weight_push_s": push_s, "weights_pushed": pushed, "step_s": step_s,
             "buffered_groups": len(self.buffer),
             # Where each group died: trained (or skipped) in this step.

@@ -31,6 +31,10 @@ class StepMetrics:
     samples: int
     tokens: int
     logprob_diff_mean: float
+    # max |engine - trainer| logprob over the tokens of lag-0 samples (the
+    # engine held exactly the trainer's weights): the parity check of the
+    # live run, ~1e-6 in fp32. None when the batch had no lag-0 sample.
+    on_policy_diff_max: float | None
     extra: dict[str, float]
     step_s: float
 
@@ -120,6 +124,7 @@ class Learner:
         normalizer = float(batch.norm_tokens if cfg.loss.normalize == "tokens" else batch.norm_samples) or 1.0
         self.optimizer.zero_grad(set_to_none=True)
         total_loss, diff_sum, agg = 0.0, 0.0, {}
+        on_policy_max: float | None = None
         mb = cfg.micro_batch_size
         for i in range(0, len(samples), mb):
             part = samples[i : i + mb]
@@ -137,6 +142,10 @@ class Learner:
             out.loss.backward()
             total_loss += float(out.loss)
             diff_sum += out.metrics["logprob_diff_mean"] * out.metrics["tokens"]
+            lag0 = [j for j in range(len(part)) if batch.lags[i + j] == 0]
+            if lag0:
+                d = ((logp.detach() - mu).abs() * mask)[lag0].max().item()
+                on_policy_max = d if on_policy_max is None else max(on_policy_max, d)
             # Micro-batch metrics are means over its tokens: weight by them.
             for k, v in out.metrics.items():
                 agg.setdefault(k, []).append((float(v), out.metrics.get("tokens", 1.0)))
@@ -144,7 +153,7 @@ class Learner:
         extra = {k: sum(v * n for v, n in vals) / max(1, sum(n for _, n in vals)) for k, vals in agg.items()}
         return StepMetrics(
             loss=total_loss, grad_norm=grad_norm, lr=self.scheduler.get_last_lr()[0], samples=len(samples),
-            tokens=tokens, logprob_diff_mean=diff_sum / max(1, tokens), extra=extra,
+            tokens=tokens, logprob_diff_mean=diff_sum / max(1, tokens), on_policy_diff_max=on_policy_max, extra=extra,
             step_s=time.perf_counter() - t0,
         )
 
