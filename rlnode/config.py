@@ -248,6 +248,11 @@ class TrainerConfig(_Section):
     max_steps: NonNegInt = 0
     # Samples per micro-batch (gradient accumulation splits a step).
     micro_batch_size: PositiveInt = 64
+    # Score each episode's LLM calls in one forward row (call k+1's prompt
+    # extends call k's prompt + completion, so the last call's sequence holds
+    # them all): the same logprobs, a multi-turn episode's shared prefix
+    # computed once. Samples that do not extend their episode get own rows.
+    pack_episodes: bool = True
     # Train only on samples of the current version and make generation wait
     # for each update (synchronous RL, for comparison).
     sync: bool = False

@@ -7,15 +7,15 @@ from conftest import reference_logprobs
 from rlnode.actor.router import LeaseMetadata
 from rlnode.config import AdvantageConfig, load_config
 from rlnode.trainer.buffer import BufferCounters, build_batch
-from rlnode.trainer.learner import Learner, lr_factor
+from rlnode.trainer.learner import Learner, lr_factor, pack_episodes
 from rlnode.wire import EpisodeSummary, GroupDelivery, TrainingSample, pack_f32, pack_i32
 
 
-def make_sample(model, prompt, completion, episode_id, version, temperature=1.0, behaviour_shift=0.0):
+def make_sample(model, prompt, completion, episode_id, version, temperature=1.0, behaviour_shift=0.0, step=0):
     lp = reference_logprobs(model, prompt, completion, temperature) + behaviour_shift
     return TrainingSample(
-        sample_id=f"{episode_id}/0", group_id=episode_id.split("/")[0], episode_id=episode_id, cube_id="c",
-        task_id="t", step_index=0, prompt_ids=pack_i32(prompt), completion_ids=pack_i32(completion),
+        sample_id=f"{episode_id}/{step}", group_id=episode_id.split("/")[0], episode_id=episode_id, cube_id="c",
+        task_id="t", step_index=step, prompt_ids=pack_i32(prompt), completion_ids=pack_i32(completion),
         logprobs=pack_f32(lp.tolist()), loss_mask=bytes([1]) * len(completion), reward=0.0,
         finish_reason="stop", termination_reason="done", policy_version=version, temperature=temperature,
         lease=LeaseMetadata(1, 0, 0.0, 0.0),
@@ -38,6 +38,42 @@ def test_scores_at_sampling_temperature(tiny_model_dir, hf_model):
         ref = reference_logprobs(hf_model, prompt, comp, T)
         assert (logp[0, :3] - ref).abs().max() < 1e-5
         assert mask.tolist() == [[1, 1, 1], [1, 0, 0]]
+
+
+def test_episodes_pack_into_one_row_with_the_same_logprobs(tiny_model_dir, hf_model):
+    # A 3-call episode (each prompt = previous prompt + completion + a new
+    # message), a second episode, and a call whose prompt was cut (it does
+    # not extend its episode: it must get a row of its own).
+    p0, c0 = [5, 6, 7], [40, 41]
+    p1, c1 = p0 + c0 + [8, 9], [42]
+    p2, c2 = p1 + c1 + [10, 11, 12], [43, 44, 45]
+    cut = p2[2:] + c2 + [13]
+    samples = [
+        make_sample(hf_model, p2, c2, "g/e0", 0, step=2, temperature=0.7),  # order must not matter
+        make_sample(hf_model, [9, 9], [50], "g/e1", 0),
+        make_sample(hf_model, p0, c0, "g/e0", 0, step=0),
+        make_sample(hf_model, p1, c1, "g/e0", 0, step=1),
+        make_sample(hf_model, cut, [46], "g/e0", 0, step=3),
+    ]
+    rows = pack_episodes(samples)
+    assert sorted(sorted(k for k, _, _ in r.spans) for r in rows) == [[0, 2, 3], [1], [4]]
+    packed = next(r for r in rows if len(r.spans) == 3)
+    assert packed.tokens.tolist() == p2 + c2
+    assert sorted(packed.spans) == [(0, len(p2), 3), (2, len(p0), 2), (3, len(p1), 1)]
+
+    scores = {}
+    for pack in (True, False):
+        cfg = load_config(None, [f"model.path={tiny_model_dir}", "trainer.device=\"cpu\"",
+                                 f"trainer.pack_episodes={str(pack).lower()}"])
+        learner = Learner(cfg)
+        with torch.no_grad():
+            scores[pack], mask = learner.token_logprobs(learner.model, samples)
+        assert mask.sum().item() == 3 + 1 + 2 + 1 + 1
+        for k, s in enumerate(samples):
+            ref = reference_logprobs(hf_model, s.prompt_token_ids.tolist(), s.completion_token_ids.tolist(),
+                                     s.temperature)
+            assert (scores[pack][k, : len(ref)] - ref).abs().max() < 1e-5
+    assert (scores[True] - scores[False]).abs().max() < 1e-5
 
 
 def test_batch_drops_stale_and_skips_zero_signal(hf_model):
