@@ -37,9 +37,10 @@ def test_reward_goes_up(tmp_path):
     # Weight updates reached the engine every step, and the engine's
     # logprobs stayed those of the policy the trainer scores.
     assert all(x["weights_pushed"] for x in records if "step" in x)
-    # (lag-0 tokens: the engine held exactly the trainer's weights; a stale
-    # prefix cache once broke this by 1e-2..1 nats.)
+    # Lag-0 tokens (the engine held exactly the trainer's weights; with
+    # max_lag 1 they are mostly in the first steps): ~5e-7. A stale prefix
+    # cache once made this 1e-2 by step 3 and 1 nat by step 200.
     on_policy = [x["logprob_diff_on_policy_max"] for x in records
                  if "step" in x and x["logprob_diff_on_policy_max"] is not None]
-    assert len(on_policy) > steps // 2 and max(on_policy) < 1e-3, on_policy
+    assert len(on_policy) >= 3 and max(on_policy) < 1e-3, on_policy
     assert (tmp_path / "run" / "final" / "config.json").exists()
