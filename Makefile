@@ -45,7 +45,10 @@ test: setup test-deps
 
 demo: setup
 	$(BIN)/rlnode tiny-model runs/tiny-model --if-missing
-	$(BIN)/rlnode --role all --config conf/demo.toml
+	# The terminal shows a progress line per step and the final table;
+	# runs/demo/metrics.jsonl has every number. Drop the two log settings
+	# for the daemons' full event log.
+	VLLM_LOGGING_LEVEL=ERROR $(BIN)/rlnode --role all --config conf/demo.toml --log-level warning
 
 bench-router: setup
 	$(BIN)/rlnode tiny-model runs/tiny-model --if-missing

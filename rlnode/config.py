@@ -172,6 +172,11 @@ class LossConfig(_Section):
     # Weight of KL(pi || reference) (k3 estimator) to the frozen initial
     # policy; 0 = no reference model is kept.
     kl_coef: Annotated[float, Meta(ge=0)] = 0.0
+    # Weight of the entropy bonus (minus coef * entropy of pi over the
+    # vocabulary at each trained token). > 0 also trains on zero-signal
+    # groups (advantage 0: only this term and KL act there), so a policy
+    # that turned deterministic everywhere keeps exploring; 0 = off.
+    entropy_coef: Annotated[float, Meta(ge=0)] = 0.0
     # "tokens": sum over every trained token / tokens in the step;
     # "sequences": per-sample token mean, then mean over samples.
     normalize: Literal["tokens", "sequences"] = "tokens"

@@ -34,10 +34,15 @@ def test_scores_at_sampling_temperature(tiny_model_dir, hf_model):
     for T in (1.0, 0.6):
         s = make_sample(hf_model, prompt, comp, "g/e0", 0, temperature=T)
         with torch.no_grad():
-            logp, mask = learner.token_logprobs(learner.model, [s, make_sample(hf_model, [9], [50], "g/e1", 0, T)])
+            logp, mask, ent = learner.token_logprobs(learner.model, [s, make_sample(hf_model, [9], [50], "g/e1", 0, T)])
         ref = reference_logprobs(hf_model, prompt, comp, T)
         assert (logp[0, :3] - ref).abs().max() < 1e-5
         assert mask.tolist() == [[1, 1, 1], [1, 0, 0]]
+        # Entropy of the whole distribution at T, at each completion token.
+        ids = torch.tensor([prompt + comp])
+        lsm = torch.log_softmax(hf_model(ids).logits[0, len(prompt) - 1 : -1].float() / T, -1)
+        assert (ent[0, :3] - (-(lsm.exp() * lsm).sum(-1))).abs().max() < 1e-4
+        assert ent[1, 1:].abs().max() == 0
 
 
 def test_episodes_pack_into_one_row_with_the_same_logprobs(tiny_model_dir, hf_model):
@@ -67,7 +72,7 @@ def test_episodes_pack_into_one_row_with_the_same_logprobs(tiny_model_dir, hf_mo
                                  f"trainer.pack_episodes={str(pack).lower()}"])
         learner = Learner(cfg)
         with torch.no_grad():
-            scores[pack], mask = learner.token_logprobs(learner.model, samples)
+            scores[pack], mask, _ = learner.token_logprobs(learner.model, samples)
         assert mask.sum().item() == 3 + 1 + 2 + 1 + 1
         for k, s in enumerate(samples):
             ref = reference_logprobs(hf_model, s.prompt_token_ids.tolist(), s.completion_token_ids.tolist(),
@@ -101,10 +106,10 @@ def test_train_step_moves_logprob_with_the_advantage(tiny_model_dir, hf_model):
     bad = make_sample(hf_model, [5, 6], [50, 51], "g/e1", 0)
     batch = build_batch([group("g", [1.0, 0.0], [good, bad])], 0, 1, AdvantageConfig(), BufferCounters())
     with torch.no_grad():
-        before, _ = learner.token_logprobs(learner.model, [good, bad])
+        before = learner.token_logprobs(learner.model, [good, bad]).logprobs
     m = learner.train_step(batch)
     with torch.no_grad():
-        after, _ = learner.token_logprobs(learner.model, [good, bad])
+        after = learner.token_logprobs(learner.model, [good, bad]).logprobs
     assert after[0].sum() > before[0].sum() and after[1].sum() < before[1].sum()
     assert m.samples == 2 and m.tokens == 4 and m.grad_norm > 0
     # On-policy samples: the trainer's and the engine's logprobs agree.
@@ -127,6 +132,33 @@ def test_on_policy_parity_metric_counts_only_lag0_samples(tiny_model_dir, hf_mod
                                                       make_sample(hf_model, [5], [7], "h/e1", 2)])],
                              3, 1, AdvantageConfig(), BufferCounters())
     assert learner.train_step(only_stale).on_policy_diff_max is None
+
+
+def test_entropy_bonus_trains_on_zero_signal_groups(tiny_model_dir, hf_model):
+    # All attempts agree: no policy gradient. Without a regulariser the group
+    # is skipped; with entropy_coef it is trained with advantage 0 and the
+    # step raises the entropy there.
+    def silent():
+        return group("s", [1.0, 1.0], [make_sample(hf_model, [5, 6], [40], "s/e0", 0),
+                                        make_sample(hf_model, [5, 6], [40], "s/e1", 0)])
+
+    skipped = build_batch([silent()], 0, 1, AdvantageConfig(), BufferCounters())
+    assert skipped.samples == [] and skipped.zero_signal_groups == 1
+    counters = BufferCounters()
+    kept = build_batch([silent()], 0, 1, AdvantageConfig(), counters, keep_zero_signal=True)
+    assert len(kept.samples) == 2 and kept.advantages == [0.0, 0.0]
+    assert kept.zero_signal_groups == 1 and counters.groups_zero_signal == 1
+    # (A small step: the random model is already near the maximum, ln 264.)
+    cfg = load_config(None, [f"model.path={tiny_model_dir}", "trainer.device=\"cpu\"", "trainer.optim.lr=1e-4",
+                             "trainer.loss.entropy_coef=0.1"])
+    learner = Learner(cfg)
+    with torch.no_grad():
+        before = learner.token_logprobs(learner.model, kept.samples).entropy[0, 0].item()
+    m = learner.train_step(kept)
+    with torch.no_grad():
+        after = learner.token_logprobs(learner.model, kept.samples).entropy[0, 0].item()
+    assert m.grad_norm > 0 and after > before, (before, after)
+    assert abs(m.extra["entropy"] - before) < 1e-4
 
 
 def test_lr_schedule():

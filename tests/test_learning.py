@@ -14,7 +14,8 @@ from daemons import ROOT, free_port
 pytestmark = pytest.mark.engine
 
 
-def test_reward_goes_up(tmp_path):
+@pytest.mark.parametrize("sync", [True, False], ids=["sync", "async"])
+def test_reward_goes_up(tmp_path, sync):
     from rlnode.tiny_model import build_tiny_model
 
     # The demo's own model (seed 0, 2 layers, hidden 128).
@@ -25,7 +26,7 @@ def test_reward_goes_up(tmp_path):
          "--set", f"model.path={model}", "--set", f"run.run_dir={tmp_path / 'run'}",
          "--set", f"trainer.max_steps={steps}", "--set", "actor.scheduler.eval_every=0",
          "--set", f"trainer.port={free_port()}", "--set", "http.trainer_port=0",
-         "--set", f"trainer.weights.base_port={free_port()}"],
+         "--set", f"trainer.weights.base_port={free_port()}", "--set", f"trainer.sync={str(sync).lower()}"],
         capture_output=True, text=True, timeout=900, env={**os.environ, "VLLM_CONFIGURE_LOGGING": "0"},
     )
     assert r.returncode == 0, r.stderr[-3000:]
@@ -37,10 +38,12 @@ def test_reward_goes_up(tmp_path):
     # Weight updates reached the engine every step, and the engine's
     # logprobs stayed those of the policy the trainer scores.
     assert all(x["weights_pushed"] for x in records if "step" in x)
-    # Lag-0 tokens (the engine held exactly the trainer's weights; with
-    # max_lag 1 they are mostly in the first steps): ~5e-7. A stale prefix
-    # cache once made this 1e-2 by step 3 and 1 nat by step 200.
+    # Lag-0 tokens (the engine held exactly the trainer's weights; every
+    # trained step when sync, mostly early steps with max_lag 1): ~1e-6. A stale
+    # prefix cache once made this 1e-2 by step 3 and 1 nat by step 200.
     on_policy = [x["logprob_diff_on_policy_max"] for x in records
                  if "step" in x and x["logprob_diff_on_policy_max"] is not None]
-    assert len(on_policy) >= 3 and max(on_policy) < 1e-3, on_policy
+    assert len(on_policy) >= (10 if sync else 3) and max(on_policy) < 1e-3, on_policy
+    if sync:
+        assert all(x["lag_max"] == 0 for x in records if "step" in x)
     assert (tmp_path / "run" / "final" / "config.json").exists()

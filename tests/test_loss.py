@@ -174,6 +174,30 @@ def test_kl_k3_term():
     close(out.metrics["kl"], 0.2802775)
 
 
+def test_entropy_term():
+    # H = [[1.0, 2.0, 0.5], [1.5, 0.25, pad 99]] (a leaf: its grad is the
+    # term's own); l_t -= 0.1 H_t:
+    # loss = tis 1.4 - 0.1 * (3.5 + 1.75) / 5 = 1.4 - 0.105 = 1.295
+    # dloss/dH = -0.1 / 5 = -0.02 on real tokens, 0 on padding; the metric is
+    # the mean over real tokens, 5.25 / 5 = 1.05.
+    inp = example()
+    inp.entropy = torch.tensor([[1.0, 2.0, 0.5], [1.5, 0.25, 99.0]], requires_grad=True)
+    out = policy_loss(inp, LossConfig(kind="tis_reinforce", entropy_coef=0.1), 5)
+    out.loss.backward()
+    close(out.loss, 1.295)
+    close(inp.entropy.grad, [[-0.02, -0.02, -0.02], [-0.02, -0.02, 0.0]])
+    close(inp.logprobs.grad, [[-0.4, -0.8, -0.2], [0.4, 0.1, 0.0]])  # the tis part, unchanged
+    close(out.metrics["entropy"], 1.05)
+    # Given but not weighted: a metric only, the loss is the plain tis one.
+    inp = example()
+    inp.entropy = torch.tensor([[1.0, 2.0, 0.5], [1.5, 0.25, 99.0]])
+    out = policy_loss(inp, LossConfig(kind="tis_reinforce"), 5)
+    close(out.loss, 1.4)
+    close(out.metrics["entropy"], 1.05)
+    with pytest.raises(ValueError, match="needs entropy"):
+        policy_loss(example(), LossConfig(entropy_coef=0.1), 5)
+
+
 def test_kl_needs_reference():
     with pytest.raises(ValueError, match="ref_logprobs"):
         policy_loss(example(), LossConfig(kl_coef=0.1), 5)

@@ -360,3 +360,15 @@ async def test_new_epoch_on_a_new_port_carries_the_next_update(rig):
     assert timings.stalled_s > timings.receive_s + timings.load_s  # paused for the transfer too
     new_diff, old_diff = await _max_logprob_diff(rig, rig.hf, before)
     assert new_diff < 1e-4 and old_diff > 1e-2
+
+
+def test_only_the_rotary_reload_warning_is_dropped(caplog):
+    import logging
+
+    import rlnode.actor.weight_receiver  # noqa: F401  (installs the filter)
+
+    logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    with caplog.at_level(logging.WARNING, logger=logger.name):
+        logger.warning("%s: Failed to load weights", "RotaryEmbedding")
+        logger.warning("%s: Failed to load weights", "QKVParallelLinear")
+    assert [r.getMessage() for r in caplog.records] == ["QKVParallelLinear: Failed to load weights"]

@@ -28,6 +28,7 @@ never aborted), the trainer's group epochs (rank 0 decides them).
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -60,6 +61,20 @@ if TYPE_CHECKING:
 
 EXTENSION = "rlnode.actor.weight_receiver.WeightReceiverExtension"
 log = get_logger("rlnode.actor.weights")
+
+
+class _RotaryReloadNoise(logging.Filter):
+    """vLLM's layerwise reload warns "RotaryEmbedding: Failed to load
+    weights" on every update: the rotary cos/sin cache is a buffer computed
+    at start, never in a checkpoint, and the reload puts it back unchanged.
+    One line per update per worker hides real warnings; drop exactly it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.msg == "%s: Failed to load weights" and record.args
+                    and record.args[0] == "RotaryEmbedding")
+
+
+logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_RotaryReloadNoise())
 
 
 # ==========================================================================

@@ -57,10 +57,12 @@ class BufferCounters:
 
 
 class GroupBuffer:
-    def __init__(self, groups_per_step: int, max_lag: int, adv_cfg: AdvantageConfig):
+    def __init__(self, groups_per_step: int, max_lag: int, adv_cfg: AdvantageConfig,
+                 keep_zero_signal: bool = False):
         self.groups_per_step = groups_per_step
         self.max_lag = max_lag
         self.adv_cfg = adv_cfg
+        self.keep_zero_signal = keep_zero_signal
         self._groups: collections.deque[GroupDelivery] = collections.deque()
         self._ids: set[str] = set()
         self._changed = asyncio.Event()
@@ -93,11 +95,14 @@ class GroupBuffer:
         groups = [self._groups.popleft() for _ in range(min(self.groups_per_step, len(self._groups)))]
         for g in groups:
             self._ids.discard(g.group_id)
-        return build_batch(groups, version, self.max_lag, self.adv_cfg, self.counters)
+        return build_batch(groups, version, self.max_lag, self.adv_cfg, self.counters, self.keep_zero_signal)
 
 
 def build_batch(groups: list[GroupDelivery], version: int, max_lag: int, adv_cfg: AdvantageConfig,
-                counters: BufferCounters) -> Batch:
+                counters: BufferCounters, keep_zero_signal: bool = False) -> Batch:
+    """``keep_zero_signal``: train on zero-signal groups' samples too, with
+    advantage 0 (only an entropy or KL term acts on them); they are counted
+    as zero-signal either way."""
     batch = Batch([], [], [g.group_id for g in groups], [], [], [])
     if not groups:
         return batch
@@ -112,11 +117,12 @@ def build_batch(groups: list[GroupDelivery], version: int, max_lag: int, adv_cfg
         if silent[gi]:
             batch.zero_signal_groups += 1
             counters.groups_zero_signal += 1
+        if silent[gi] and not keep_zero_signal:
             fresh = [s for s in g.samples if version - s.policy_version <= max_lag]
             batch.norm_samples += len(fresh)
             batch.norm_tokens += sum(int(s.completion_mask.sum()) for s in fresh)
             continue
-        by_episode = {e.episode_id: float(adv[gi, ei]) for ei, e in enumerate(g.episodes)}
+        by_episode = {e.episode_id: 0.0 if silent[gi] else float(adv[gi, ei]) for ei, e in enumerate(g.episodes)}
         fresh = 0
         for s in g.samples:
             lag = version - s.policy_version

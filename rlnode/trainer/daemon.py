@@ -46,7 +46,9 @@ class TrainerDaemon:
         self.learner = None
         self.link = None
         self.pusher = None
-        self.buffer = GroupBuffer(cfg.actor.scheduler.groups_per_step, effective_max_lag(cfg), cfg.trainer.advantage)
+        loss = cfg.trainer.loss
+        self.buffer = GroupBuffer(cfg.actor.scheduler.groups_per_step, effective_max_lag(cfg), cfg.trainer.advantage,
+                                  keep_zero_signal=loss.entropy_coef > 0 or loss.kl_coef > 0)
         self.pending_commit: list[str] = []  # consumed since the last checkpoint
         self.last_checkpoint_step = 0
         self.last_metrics: dict = {}

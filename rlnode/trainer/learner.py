@@ -59,6 +59,12 @@ def lr_factor(step: int, warmup: int, total: int, schedule: str, min_ratio: floa
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+class Scored(NamedTuple):
+    logprobs: torch.Tensor  # [B, T] log pi of each completion token
+    mask: torch.Tensor  # [B, T] 1 = trained token
+    entropy: torch.Tensor  # [B, T] entropy of pi over the vocabulary there
+
+
 class PackedRow(NamedTuple):
     """One forward row: the token sequence and, per sample it scores,
     (sample index, completion start, completion length)."""
@@ -141,22 +147,27 @@ class Learner:
             attn[i, : len(r.tokens)] = 1
         return ids.to(self.device), attn.to(self.device), rows
 
-    def token_logprobs(self, model, samples) -> tuple[torch.Tensor, torch.Tensor]:
-        """log pi(completion token) for every sample, padded: ([B, T], mask [B, T])."""
+    def token_logprobs(self, model, samples, entropy_grad: bool = False) -> Scored:
+        """log pi(completion token) for every sample, padded to [B, T], with
+        the mask and the entropy of pi at each of those tokens (carrying the
+        gradient only when ``entropy_grad``: it is a metric otherwise)."""
         ids, attn, rows = self._micro_batch(samples)
         logits = model(input_ids=ids, attention_mask=attn).logits.float()  # [R, L, V]
         T = max(len(s.completion_token_ids) for s in samples)
         out = torch.zeros(len(samples), T, device=self.device)
         mask = torch.zeros(len(samples), T, device=self.device)
+        ent = torch.zeros(len(samples), T, device=self.device)
         for r, row in enumerate(rows):
             for k, start, n in row.spans:
                 s = samples[k]
                 # Logits at position j predict token j + 1.
-                step_logits = logits[r, start - 1 : start - 1 + n] / s.temperature
+                logp_all = torch.log_softmax(logits[r, start - 1 : start - 1 + n] / s.temperature, -1)  # [n, V]
                 tok = ids[r, start : start + n]
-                out[k, :n] = torch.log_softmax(step_logits, -1).gather(1, tok[:, None])[:, 0]
+                out[k, :n] = logp_all.gather(1, tok[:, None])[:, 0]
+                with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+                    ent[k, :n] = -(logp_all.exp() * logp_all).sum(-1)
                 mask[k, :n] = torch.from_numpy(s.completion_mask.astype("float32")).to(self.device)
-        return out, mask
+        return Scored(out, mask, ent if entropy_grad else ent.detach())
 
     # -- one optimizer step ---------------------------------------------------------
 
@@ -172,7 +183,7 @@ class Learner:
         mb = cfg.micro_batch_size
         for i in range(0, len(samples), mb):
             part = samples[i : i + mb]
-            logp, mask = self.token_logprobs(self.model, part)
+            logp, mask, entropy = self.token_logprobs(self.model, part, entropy_grad=cfg.loss.entropy_coef > 0)
             mu = torch.zeros_like(logp)
             for j, s in enumerate(part):
                 lp = torch.from_numpy(s.completion_logprobs.astype("float32"))
@@ -180,9 +191,9 @@ class Learner:
             ref = None
             if self.ref_model is not None:
                 with torch.no_grad():
-                    ref, _ = self.token_logprobs(self.ref_model, part)
+                    ref = self.token_logprobs(self.ref_model, part).logprobs
             adv = torch.tensor(batch.advantages[i : i + mb], dtype=torch.float32, device=self.device)
-            out = policy_loss(LossInputs(logp, mu, adv, mask, ref), cfg.loss, normalizer)
+            out = policy_loss(LossInputs(logp, mu, adv, mask, ref, entropy), cfg.loss, normalizer)
             out.loss.backward()
             total_loss += float(out.loss.detach())
             diff_sum += out.metrics["logprob_diff_mean"] * out.metrics["tokens"]

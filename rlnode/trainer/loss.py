@@ -59,6 +59,9 @@ class LossInputs:
     advantages: torch.Tensor  # [B] the sample's episode advantage
     mask: torch.Tensor  # [B, T] 1/True = trained completion token, 0 = padding
     ref_logprobs: torch.Tensor | None = None  # [B, T] frozen reference (KL only)
+    # [B, T] entropy of pi_theta(. | context) at each completion token, over
+    # the whole vocabulary at the sampling temperature (grad; entropy term).
+    entropy: torch.Tensor | None = None
 
 
 @dataclass
@@ -66,7 +69,8 @@ class LossOutput:
     loss: torch.Tensor  # scalar: this micro-batch's share of the step's loss
     # Over this micro-batch's masked tokens: tokens, ratio_mean, ratio_max
     # (token ratios r_t, gspo too), clip_fraction, logprob_diff_mean
-    # (mean |logpi - logmu|), kl (kl_coef > 0). Combine micro-batches by
+    # (mean |logpi - logmu|), kl (kl_coef > 0), entropy (when given).
+    # Combine micro-batches by
     # weighting the means with metrics["tokens"].
     metrics: dict[str, float]
 
@@ -82,6 +86,12 @@ class LossOutput:
 #       so grad_logpi = -A s_i on every token of an unclipped sequence.
 #   KL (kl_coef > 0): l_t += kl_coef * k3_t,
 #       k3_t = exp(ref - logpi) - (ref - logpi) - 1  (>= 0; Schulman's k3 of KL(pi||ref)).
+#   Entropy (entropy_coef > 0): l_t -= entropy_coef * H_t,
+#       H_t = -sum_v pi(v) log pi(v) over the vocabulary at token t's context.
+#       Keeps exploring where every attempt of a group agrees: those groups
+#       have A = 0 and no policy gradient, so without it a policy that turned
+#       deterministic too early can never leave (the trainer then keeps
+#       zero-signal groups in the batch for this term).
 # clip_fraction = share of tokens whose ratio was cut: r_t > c (tis), the
 # min picked the clipped term (ppo_clip; per sequence, counted per token, gspo).
 #
@@ -96,6 +106,8 @@ def policy_loss(inp: LossInputs, cfg: LossConfig, normalizer: float) -> LossOutp
         raise ValueError(f"normalizer must be > 0, got {normalizer}")
     if cfg.kl_coef > 0 and inp.ref_logprobs is None:
         raise ValueError("loss.kl_coef > 0 needs ref_logprobs")
+    if cfg.entropy_coef > 0 and inp.entropy is None:
+        raise ValueError("loss.entropy_coef > 0 needs entropy")
     m = inp.mask.bool()  # [B, T]
     n_tok = m.sum(dim=1).clamp(min=1)  # [B]; all-padding rows divide by 1, not 0
     # Padding is set to 0 first, so garbage (inf, nan) there cannot leak.
@@ -128,6 +140,10 @@ def policy_loss(inp: LossInputs, cfg: LossConfig, normalizer: float) -> LossOutp
         k3 = d.exp() - d - 1  # [B, T], 0 on padding
         per_tok = per_tok + cfg.kl_coef * k3
 
+    ent = None if inp.entropy is None else torch.where(m, inp.entropy.float(), 0.0)  # [B, T]
+    if cfg.entropy_coef > 0:
+        per_tok = per_tok - cfg.entropy_coef * ent
+
     per_tok = torch.where(m, per_tok, 0.0)  # [B, T]
     if cfg.normalize == "tokens":
         loss = per_tok.sum() / normalizer
@@ -145,5 +161,7 @@ def policy_loss(inp: LossInputs, cfg: LossConfig, normalizer: float) -> LossOutp
     }
     if k3 is not None:
         stats["kl"] = k3.detach().sum() / den
+    if ent is not None:
+        stats["entropy"] = ent.detach().sum() / den
     values = torch.stack(list(stats.values())).tolist()  # one device sync
     return LossOutput(loss=loss, metrics=dict(zip(stats, values)))
