@@ -43,11 +43,11 @@ test-deps:
 test: setup test-deps
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
 
+# The terminal shows a progress line per step and the final table;
+# runs/demo/metrics.jsonl has every number. Drop the two log settings for
+# the daemons' full event log.
 demo: setup
 	$(BIN)/rlnode tiny-model runs/tiny-model --if-missing
-	# The terminal shows a progress line per step and the final table;
-	# runs/demo/metrics.jsonl has every number. Drop the two log settings
-	# for the daemons' full event log.
 	VLLM_LOGGING_LEVEL=ERROR $(BIN)/rlnode --role all --config conf/demo.toml --log-level warning
 
 bench-router: setup

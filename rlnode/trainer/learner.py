@@ -152,22 +152,35 @@ class Learner:
         the mask and the entropy of pi at each of those tokens (carrying the
         gradient only when ``entropy_grad``: it is a metric otherwise)."""
         ids, attn, rows = self._micro_batch(samples)
-        logits = model(input_ids=ids, attention_mask=attn).logits.float()  # [R, L, V]
-        T = max(len(s.completion_token_ids) for s in samples)
-        out = torch.zeros(len(samples), T, device=self.device)
-        mask = torch.zeros(len(samples), T, device=self.device)
-        ent = torch.zeros(len(samples), T, device=self.device)
+        # Index every completion token once: (row, position predicting it)
+        # and where it goes in the [B, T] output (sample k, column t).
+        r_idx, p_idx, k_idx, t_idx, temps = [], [], [], [], []
         for r, row in enumerate(rows):
             for k, start, n in row.spans:
-                s = samples[k]
-                # Logits at position j predict token j + 1.
-                logp_all = torch.log_softmax(logits[r, start - 1 : start - 1 + n] / s.temperature, -1)  # [n, V]
-                tok = ids[r, start : start + n]
-                out[k, :n] = logp_all.gather(1, tok[:, None])[:, 0]
-                with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-                    ent[k, :n] = -(logp_all.exp() * logp_all).sum(-1)
-                mask[k, :n] = torch.from_numpy(s.completion_mask.astype("float32")).to(self.device)
-        return Scored(out, mask, ent if entropy_grad else ent.detach())
+                r_idx += [r] * n
+                p_idx += range(start - 1, start - 1 + n)  # logits at j predict token j + 1
+                k_idx += [k] * n
+                t_idx += range(n)
+                temps += [samples[k].temperature] * n
+        r_i, p_i = torch.tensor(r_idx, device=self.device), torch.tensor(p_idx, device=self.device)
+        # The lm_head only where a completion token is predicted, not at every
+        # position: [N, V] instead of [R, L, V] (a 150k vocabulary makes the
+        # full tensor the largest of the step). logits = lm_head(final hidden
+        # state) is how the causal LMs we load compute them.
+        hidden = model.base_model(input_ids=ids, attention_mask=attn).last_hidden_state  # [R, L, H]
+        logits = model.get_output_embeddings()(hidden[r_i, p_i]).float()  # [N, V]
+        logp_all = torch.log_softmax(logits / torch.tensor(temps, device=self.device)[:, None], -1)  # [N, V]
+        lp = logp_all.gather(1, ids[r_i, p_i + 1][:, None])[:, 0]  # [N]
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            h = -(logp_all.exp() * logp_all).sum(-1)  # [N]
+        T = max(len(s.completion_token_ids) for s in samples)
+        where = (torch.tensor(k_idx, device=self.device), torch.tensor(t_idx, device=self.device))
+        out = torch.zeros(len(samples), T, device=self.device).index_put(where, lp)
+        ent = torch.zeros(len(samples), T, device=self.device).index_put(where, h)
+        mask = torch.zeros(len(samples), T)
+        for k, s in enumerate(samples):
+            mask[k, : len(s.completion_token_ids)] = torch.from_numpy(s.completion_mask.astype("float32"))
+        return Scored(out, mask.to(self.device), ent if entropy_grad else ent.detach())
 
     # -- one optimizer step ---------------------------------------------------------
 
