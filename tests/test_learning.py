@@ -38,12 +38,13 @@ def test_reward_goes_up(tmp_path, sync):
     # Weight updates reached the engine every step, and the engine's
     # logprobs stayed those of the policy the trainer scores.
     assert all(x["weights_pushed"] for x in records if "step" in x)
-    # Lag-0 tokens (the engine held exactly the trainer's weights; every
-    # trained step when sync, mostly early steps with max_lag 1): ~1e-6. A stale
-    # prefix cache once made this 1e-2 by step 3 and 1 nat by step 200.
+    # Lag-0 tokens (the engine held exactly the trainer's weights): ~1e-6.
+    # Sync: every step with samples, so this covers weights far from the
+    # initial ones (a stale prefix cache once made it 1e-2 by step 3 and 1
+    # nat by step 200). Async with max_lag 1: often only the first step.
     on_policy = [x["logprob_diff_on_policy_max"] for x in records
                  if "step" in x and x["logprob_diff_on_policy_max"] is not None]
-    assert len(on_policy) >= (10 if sync else 3) and max(on_policy) < 1e-3, on_policy
+    assert len(on_policy) >= (10 if sync else 1) and max(on_policy) < 1e-3, on_policy
     if sync:
         assert all(x["lag_max"] == 0 for x in records if "step" in x)
     assert (tmp_path / "run" / "final" / "config.json").exists()
