@@ -83,7 +83,10 @@ def daemon_args(role: str, model_dir, run_dir, trainer_port: int, http_port: int
             "--set", f"http.trainer_port={http_port}", "--set", f"http.actor_port={http_port}",
             "--set", f"trainer.weights.base_port={free_port()}",
             "--set", "link.heartbeat_s=0.5", "--set", "link.peer_timeout_s=4",
-            "--set", "trainer.weights.timeout_s=20"]
+            "--set", "trainer.weights.timeout_s=20",
+            # The demo runs sync on one 2-core box; the daemon tests run the
+            # product's default, the async pipeline.
+            "--set", "trainer.sync=false"]
     if role == "actor":
         args += ["--peers", f"127.0.0.1:{trainer_port}"]
     return args + list(extra)
