@@ -39,6 +39,9 @@ class StepMetrics:
     on_policy_diff_max: float | None
     extra: dict[str, float]
     step_s: float
+    # The loss or the gradient was not finite: no optimizer step was taken
+    # (the weights, the optimizer state and the lr schedule are unchanged).
+    skipped: bool = False
 
 
 def resolve_trainer_device(device: str) -> torch.device:
@@ -129,6 +132,13 @@ class Learner:
             self.optimizer,
             lambda step: lr_factor(step, o.warmup_steps, t.max_steps, o.schedule, o.min_lr_ratio),
         )
+        self.skipped_steps = 0  # train_step calls that took no step (non-finite loss or gradient)
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids the model can both embed and score."""
+        return min(self.model.get_input_embeddings().num_embeddings,
+                   self.model.get_output_embeddings().out_features)
 
     # -- scoring -----------------------------------------------------------------
 
@@ -217,24 +227,42 @@ class Learner:
             # Micro-batch metrics are means over its tokens: weight by them.
             for k, v in out.metrics.items():
                 agg.setdefault(k, []).append((float(v), out.metrics.get("tokens", 1.0)))
-        grad_norm = self._clip_and_step()
+        grad_norm, stepped = self._clip_and_step(math.isfinite(total_loss))
         extra = {k: sum(v * n for v, n in vals) / max(1, sum(n for _, n in vals)) for k, vals in agg.items()}
+        # In every step's metrics, so a skip shows as a 1 next to its loss.
+        extra["nonfinite_skip"] = float(not stepped)
+        extra["nonfinite_skips_total"] = float(self.skipped_steps)
         return StepMetrics(
             loss=total_loss, grad_norm=grad_norm, lr=self.scheduler.get_last_lr()[0], samples=len(samples),
             tokens=tokens, logprob_diff_mean=diff_sum / max(1, tokens), on_policy_diff_max=on_policy_max, extra=extra,
-            step_s=time.perf_counter() - t0,
+            step_s=time.perf_counter() - t0, skipped=not stepped,
         )
 
-    def _clip_and_step(self) -> float:
+    def _clip_and_step(self, loss_finite: bool) -> tuple[float, bool]:
+        """Clip and step; returns (gradient norm, stepped). A non-finite
+        loss or gradient norm takes no step: AdamW would carry a NaN in its
+        moments into every later update. The gradients are dropped, and the
+        lr schedule does not advance (no step happened)."""
         max_norm = self.cfg.trainer.optim.max_grad_norm
         params = [p for p in self.model.parameters() if p.grad is not None]
         if not params:
+            if not loss_finite:
+                return self._skip(0.0)
             self.scheduler.step()
-            return 0.0
+            return 0.0, True
         if max_norm > 0:
-            norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+            # Clipping by a NaN norm scales the gradients to NaN: harmless,
+            # they are dropped below in that case.
+            norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
         else:
-            norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))
+            norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])))
+        if not (loss_finite and math.isfinite(norm)):
+            return self._skip(norm)
         self.optimizer.step()
         self.scheduler.step()
-        return float(norm)
+        return norm, True
+
+    def _skip(self, norm: float) -> tuple[float, bool]:
+        self.optimizer.zero_grad(set_to_none=True)
+        self.skipped_steps += 1
+        return norm, False
