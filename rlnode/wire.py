@@ -154,6 +154,10 @@ class GroupDelivery(_Msg, tag="group"):
     start_version: int  # policy version when the group was admitted
     episodes: list[EpisodeSummary]
     samples: list[TrainingSample]
+    # The trainer incarnation whose credit started this group ("" = none:
+    # an actor without flow control). The trainer counts the group against
+    # that actor's credits only when it names the trainer's own incarnation.
+    credit_session: str = ""
 
 
 class CommitQuery(_Msg, tag="cq"):
@@ -180,6 +184,18 @@ class ControlReply(_Msg, tag="creply"):
     ok: bool
     error: str = ""
     payload: dict[str, float | int | str] = {}
+
+
+class CreditReport(_Msg, tag="credrep"):
+    """actor -> trainer: this actor's side of the credit ledger for one
+    trainer incarnation (``session``). Cumulative counts, so a lost report is
+    healed by the next one; sent when a count changes and with every
+    heartbeat. See ``rlnode.link.credits`` for the protocol."""
+
+    session: str  # the trainer incarnation that granted the credits counted here
+    want: int  # groups this actor can run at once: the trainer tops its credits up to this
+    started: int  # credits spent on starting a group (cumulative)
+    returned: int  # credits given back: groups dropped on the actor after retries (cumulative)
 
 
 class Welcome(_Msg, tag="welcome"):
@@ -214,6 +230,16 @@ class Reject(_Msg, tag="reject"):
     group_ids: list[str] = []  # the groups concerned, where known
 
 
+class CreditGrant(_Msg, tag="credit"):
+    """trainer -> actor: the number of credits (the right to start one group)
+    this trainer incarnation has granted this actor incarnation so far.
+    Cumulative: a lost grant is healed by the next one (also re-sent with
+    every heartbeat)."""
+
+    session: str  # trainer incarnation
+    granted: int
+
+
 class VersionUpdate(_Msg, tag="version"):
     """trainer -> actor: the trainer's policy version moved (also carried by
     every trainer ``Heartbeat``, so a lost update heals within heartbeat_s)."""
@@ -236,8 +262,8 @@ class ControlRequest(_Msg, tag="creq"):
     payload: dict[str, ControlValue] = {}
 
 
-ToTrainer = Register | Heartbeat | GroupDelivery | CommitQuery | ControlReply | EvalReport
-ToActor = Welcome | Ack | Commit | Reject | Heartbeat | VersionUpdate | ControlRequest
+ToTrainer = Register | Heartbeat | GroupDelivery | CommitQuery | ControlReply | EvalReport | CreditReport
+ToActor = Welcome | Ack | Commit | Reject | Heartbeat | VersionUpdate | ControlRequest | CreditGrant
 
 
 def group_to_delivery(group: Group, node_id: str) -> GroupDelivery:
@@ -252,4 +278,5 @@ def group_to_delivery(group: Group, node_id: str) -> GroupDelivery:
         episodes=[EpisodeSummary(e.episode_id, e.reward, e.success, e.num_turns, e.termination_reason)
                   for e in group.episodes],
         samples=[s for e in group.episodes for s in e.samples],
+        credit_session=group.credit_session,
     )

@@ -25,7 +25,7 @@ from rlnode.actor.episode import ChatRenderer, EpisodeSettings
 from rlnode.actor.generation import LLMClient
 from rlnode.actor.router import AdmissionRouter
 from rlnode.actor.scheduler import Group, RolloutScheduler, VersionSource
-from rlnode.config import Config, effective_max_lag
+from rlnode.config import Config, effective_max_lag, groups_in_flight
 from rlnode.daemon import run_until_stopped, spawn
 from rlnode.cubes.base import Cube
 from rlnode.log import get_logger, set_version
@@ -66,6 +66,9 @@ class ActorDaemon:
         self.engines = [Engine(i, cfg.model, ecfg, worker_extension_cls=ext) for i in range(ecfg.num_engines)]
         self.link = None
         self._background: set[asyncio.Task] = set()  # control-request handlers in flight
+        # Errors a handler hit that the daemon must exit on (a failed weight
+        # load): raised by run()'s "fatal" job.
+        self._fatal: asyncio.Queue[BaseException] = asyncio.Queue()
         self._tok_mark = (time.monotonic(), 0)
         self.router = AdmissionRouter(
             ecfg.num_engines, cfg.actor.router.llm_max_rollouts, cfg.actor.router.affinity
@@ -121,7 +124,12 @@ class ActorDaemon:
         tp = self.cfg.actor.engine.tensor_parallel_size
         self.link = ActorLink(trainer_endpoint(self.peers[0]), self.node_id,
                               [(e.engine_id, tp) for e in self.engines], self.cfg.link,
-                              incarnation=self.incarnation, stats=self._stats)
+                              incarnation=self.incarnation, stats=self._stats,
+                              credit_want=groups_in_flight(self.cfg) if self.scheduler else 0)
+        if self.scheduler is not None:
+            # Under a trainer, groups start on its credits (its global budget),
+            # not on the local version count.
+            self.scheduler.gate = self.link.credits
         await self.link.start()
 
     def _stats(self) -> dict[str, float]:
@@ -141,6 +149,7 @@ class ActorDaemon:
         if self.link is not None:
             jobs.append(asyncio.create_task(self._forward_groups(), name="forward"))
             jobs.append(asyncio.create_task(self._control_loop(), name="control"))
+            jobs.append(asyncio.create_task(self._raise_fatal(), name="fatal"))
         await run_until_stopped(jobs, stop)
 
     async def _forward_groups(self) -> None:
@@ -160,20 +169,30 @@ class ActorDaemon:
                 # hold up the next request's reading (e.g. a new epoch).
                 spawn(self._background, self._answer(item))
 
+    async def _raise_fatal(self) -> None:
+        raise await self._fatal.get()
+
     async def _answer(self, req) -> None:
+        from rlnode.weight_plan import LoadError
         from rlnode.wire import ControlReply
 
+        fatal = None
         try:
             payload = await self._handle(req.kind, req.payload)
             reply = ControlReply(req.request_id, True, payload=payload)
-        except Exception as e:  # reported to the trainer, never fatal here
+        except Exception as e:  # reported to the trainer; fatal here only if an engine is half-loaded
             log.warning("control.failed", kind=req.kind, error=repr(e))
             reply = ControlReply(req.request_id, False, error=repr(e)[:500])
+            fatal = e if isinstance(e, LoadError) else None
         self.link.reply(reply)
+        if fatal is not None:
+            # The engine holds partly updated weights (paused, never
+            # resumed): exit non-zero so the supervisor restarts the node.
+            self._fatal.put_nowait(fatal)
 
     async def _handle(self, kind: str, payload: dict) -> dict:
         from rlnode.actor.weight_receiver import apply_weight_update, join_group
-        from rlnode.weight_plan import decode_plan, decode_spec
+        from rlnode.weight_plan import LoadError, decode_plan, decode_spec
 
         if kind == "join_group":
             spec = decode_spec(base64.b64decode(payload["spec"]))
@@ -182,7 +201,15 @@ class ActorDaemon:
             return {"epoch": spec.epoch}
         if kind == "update_weights":
             plan = decode_plan(base64.b64decode(payload["plan"]))
-            timings = await asyncio.gather(*(apply_weight_update(e, plan) for e in self.engines))
+            # The trainer's incarnation orders versions: the same trainer
+            # never goes back; a restarted one may (its last checkpoint).
+            source = self.link.trainer_incarnation or ""
+            results = await asyncio.gather(*(apply_weight_update(e, plan, source=source) for e in self.engines),
+                                           return_exceptions=True)
+            errors = [r for r in results if isinstance(r, BaseException)]
+            if errors:  # a failed load outranks the rest: it is fatal
+                raise next((e for e in errors if isinstance(e, LoadError)), errors[0])
+            timings = results
             self.versions.set(plan.version)
             self.link.set_version(plan.version)
             set_version(plan.version)
@@ -210,9 +237,14 @@ class ActorDaemon:
     # -- observability (read by rlnode.ops.http; never changes state) ---------------
 
     def healthy(self) -> tuple[bool, str]:
+        from rlnode.actor.weight_receiver import load_failure
+
         down = [e.engine_id for e in self.engines if e.llm is None]
         if down:
             return False, f"engines not serving: {down}"
+        broken = {e.engine_id: why for e in self.engines if (why := load_failure(e))}
+        if broken:
+            return False, f"engines half-loaded by a failed weight update: {broken}"
         return True, ""
 
     def status(self) -> dict:
@@ -225,10 +257,15 @@ class ActorDaemon:
             "router": msgspec.to_builtins(r),
             "cubes": {c: s.summary() for c, s in self.scheduler.stats.items()} if self.scheduler else {},
             "groups_started": self.scheduler.started_groups if self.scheduler else 0,
+            "waiting_for_credit": self.scheduler.waiting_for_credit if self.scheduler else False,
         }
         if self.link is not None:
             out["link"] = {"trainer": self.peers[0], "connected": self.link.connected,
                            **msgspec.to_builtins(self.link.counters())}
+            c = self.link.credits
+            if c is not None:
+                out["credits"] = {"session": c.session, "want": c.want, "granted": c.granted,
+                                  "started": c.started, "returned": c.returned, "available": c.available}
         return out
 
     def prometheus(self) -> list:

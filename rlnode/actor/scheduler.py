@@ -6,11 +6,13 @@ test splits, and per-cube counters. Emits only *complete* groups: a group
 whose episode failed past its retries is dropped and counted, never sent
 half-full (its advantage baseline would be wrong).
 
-Staleness budget: the trainer consumes ``groups_per_step`` groups per
-version, so a group started at version v is trained by about version
-v + max_lag if no more than ``(version + max_lag + 1) * groups_per_step``
-groups have ever been started. ``admit`` waits on that; the version comes
-from a ``VersionSource`` (the trainer link in production, the test in tests).
+Admission: a group starts only with a credit from a ``GroupGate``. Under
+a trainer that is the link's ``ActorCredits``: the trainer owns the
+staleness budget across all actors (``rlnode.link.credits``). Without a
+trainer (a standalone actor, benchmarks, tests) ``VersionBudget`` counts
+the same budget locally: at most ``(version + max_lag + 1) *
+groups_per_step`` groups started, net of dropped ones. Either way the
+credit of a dropped group is given back, so drops never stall a run.
 
 Must not touch engines or tokens directly (episodes do, through LLMClient).
 """
@@ -20,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import math
 import random
-from typing import Callable
+from typing import Callable, Protocol
 
 import msgspec
 
@@ -44,11 +46,44 @@ class VersionSource:
 
     def set(self, version: int) -> None:
         self.version = version
+        self.poke()
+
+    def poke(self) -> None:
+        """Wake the waiters without a new version (a budget freed up)."""
         self._changed.set()
         self._changed = asyncio.Event()
 
     async def wait_changed(self) -> None:
         await self._changed.wait()
+
+
+class GroupGate(Protocol):
+    """Where the scheduler gets the right to start a group."""
+
+    async def acquire(self) -> str: ...  # waits for a credit; returns its session ("" = local)
+
+    def give_back(self, session: str) -> None: ...  # the group of that credit was dropped
+
+
+class VersionBudget:
+    """The staleness budget counted by one actor alone (no trainer link)."""
+
+    def __init__(self, versions: VersionSource, groups_per_step: int, max_lag: int):
+        self.versions, self.groups_per_step, self.max_lag = versions, groups_per_step, max_lag
+        self.started = 0  # net of dropped groups
+
+    def budget(self) -> int:
+        return (self.versions.version + self.max_lag + 1) * self.groups_per_step
+
+    async def acquire(self) -> str:
+        while self.started >= self.budget():
+            await self.versions.wait_changed()
+        self.started += 1
+        return ""
+
+    def give_back(self, session: str) -> None:
+        self.started -= 1
+        self.versions.poke()
 
 
 class CubeStats(msgspec.Struct):
@@ -94,6 +129,7 @@ class Group(msgspec.Struct):
     ref: CubeTaskRef
     start_version: int
     episodes: list[EpisodeResult]
+    credit_session: str = ""  # the trainer incarnation whose credit started it
 
 
 class EvalReport(msgspec.Struct):
@@ -115,6 +151,7 @@ class RolloutScheduler:
         seed: int = 0,
         on_eval: Callable[[EvalReport], None] | None = None,
         id_prefix: str = "",
+        gate: GroupGate | None = None,
     ):
         self.cubes, self.cfg, self.episode = cubes, cfg, episode
         self.eval_episode = episode
@@ -122,6 +159,7 @@ class RolloutScheduler:
             self.eval_episode = msgspec.structs.replace(
                 episode, sampling=msgspec.structs.replace(episode.sampling, temperature=cfg.eval_temperature))
         self.client, self.renderer, self.versions = client, renderer, versions
+        self.gate = gate or VersionBudget(versions, cfg.groups_per_step, cfg.max_lag)
         self.train_cubes = [c for c, w in weights.items() if w > 0]
         self.weights = [weights[c] for c in self.train_cubes]
         self.eval_cubes = eval_cubes
@@ -133,6 +171,7 @@ class RolloutScheduler:
         self.stats = {c: CubeStats() for c in cubes}
         self.eval_stats: dict[str, CubeStats] = {}
         self.started_groups = 0
+        self.waiting_for_credit = False
         self.in_flight_groups = 0
         self.max_in_flight_groups = 0
         self.episodes_in_flight = 0
@@ -154,13 +193,13 @@ class RolloutScheduler:
 
     # -- admission -------------------------------------------------------------
 
-    def budget(self) -> int:
-        """Groups that may have been started by now."""
-        return (self.versions.version + self.cfg.max_lag + 1) * self.cfg.groups_per_step
-
-    async def admit(self) -> None:
-        while self.started_groups >= self.budget():
-            await self.versions.wait_changed()
+    async def admit(self) -> str:
+        """Wait for the right to start one group; returns its credit session."""
+        self.waiting_for_credit = True
+        try:
+            return await self.gate.acquire()
+        finally:
+            self.waiting_for_credit = False
 
     def next_task(self) -> CubeTaskRef:
         cid = self.rng.choices(self.train_cubes, self.weights)[0]
@@ -174,11 +213,11 @@ class RolloutScheduler:
         eval_task = asyncio.create_task(self._eval_loop()) if self.cfg.eval_every and self.eval_cubes else None
         try:
             while True:
-                await self.admit()
+                session = await self.admit()
                 ref = self.next_task()
                 index = self.started_groups
                 self.started_groups += 1
-                self._spawn(self._run_group(ref, index, out))
+                self._spawn(self._run_group(ref, index, out, session))
         finally:
             if eval_task:
                 eval_task.cancel()
@@ -193,7 +232,7 @@ class RolloutScheduler:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _run_group(self, ref: CubeTaskRef, index: int, out: asyncio.Queue) -> None:
+    async def _run_group(self, ref: CubeTaskRef, index: int, out: asyncio.Queue, session: str = "") -> None:
         group_id = f"{self.id_prefix}g{index:07d}"
         start_version = self.versions.version
         self.in_flight_groups += 1
@@ -208,11 +247,12 @@ class RolloutScheduler:
         stats = self.stats[ref.cube_id]
         if any(r is None for r in results):
             stats.groups_dropped += 1
+            self.gate.give_back(session)  # its credit goes back: another group may start
             log.warning("group.dropped", group=group_id, cube=ref.cube_id, task=ref.task_id,
                         failed=sum(r is None for r in results))
             return
         stats.groups += 1
-        await out.put(Group(group_id, ref, start_version, results))
+        await out.put(Group(group_id, ref, start_version, results, session))
 
     async def _episode_with_retries(self, ref, episode_id, group_id, stats: CubeStats,
                                     settings: EpisodeSettings | None = None) -> EpisodeResult | None:

@@ -26,9 +26,10 @@ from rlnode.log import get_logger
 from rlnode import wire
 from rlnode.wire import (
     PROTOCOL_VERSION, Ack, Commit, CommitQuery, ControlReply,
-    ControlRequest, EngineInfo, EvalReport, GroupDelivery, Heartbeat, Register, Reject, ToActor, VersionUpdate,
-    Welcome,
+    ControlRequest, CreditGrant, EngineInfo, EvalReport, GroupDelivery, Heartbeat, Register, Reject, ToActor,
+    VersionUpdate, Welcome,
 )
+from rlnode.link.credits import ActorCredits
 
 log = get_logger("rlnode.link.actor")
 
@@ -95,6 +96,11 @@ class ActorLink:
     * Liveness: a Heartbeat every ``heartbeat_s``; a trainer silent for
       ``peer_timeout_s`` is marked disconnected, the socket is rebuilt and
       the actor registers again until the trainer answers.
+    * Flow control (``credit_want`` > 0): ``credits`` (an ``ActorCredits``)
+      holds what the trainer granted; the scheduler spends one per group and
+      gives back those of dropped groups. The link reports the counts to the
+      trainer when they change and with every heartbeat
+      (``rlnode.link.credits`` states the protocol).
 
     Call all methods from the event loop's thread. ``next_control()``
     returns trainer requests and raises ``LinkFatalError`` when the trainer
@@ -105,7 +111,7 @@ class ActorLink:
                  link: LinkConfig | None = None, *, incarnation: str | None = None, curve_key: str = "actor",
                  ack_timeout_s: float | None = None, commit_query_s: float = 30.0,
                  max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, sndhwm: int = 256, rcvhwm: int = 1024,
-                 stats: Callable[[], dict[str, float]] | None = None):
+                 stats: Callable[[], dict[str, float]] | None = None, credit_want: int = 0):
         if not node_id or "/" in node_id:
             raise ValueError(f"node_id must be non-empty and without '/': {node_id!r}")
         self.trainer = trainer
@@ -128,6 +134,8 @@ class ActorLink:
         self.trainer_incarnation: str | None = None
         self.trainer_version: int | None = None
         self.controls: asyncio.Queue[ControlItem | LinkError] = asyncio.Queue()
+        # Groups this actor can run at once (0 = it starts no groups: tools, tests).
+        self.credits = ActorCredits(credit_want) if credit_want > 0 else None
         self._c = ActorLinkCounters()
         self._outbox: dict[str, _Held] = {}
         self._n_acked = 0  # held groups acked by the current trainer incarnation
@@ -226,6 +234,15 @@ class ActorLink:
         while self._connected and self._evals and self._send(self._evals[0]):
             self._evals.popleft()
             self._c.evals_sent += 1
+
+    def send_credit_report(self, force: bool = False) -> None:
+        """Tell the trainer this actor's credit counts (when they changed, or
+        ``force``: the heartbeat repeat that heals a lost report)."""
+        c = self.credits
+        if c is None or not self._connected or c.session is None or not (c.report_due or force):
+            return
+        if not self._send(c.report()):
+            c.report_due = True  # retried on the next tick
 
     def set_version(self, version: int) -> None:
         """The policy version this node's engines now hold (sent in heartbeats)."""
@@ -334,6 +351,9 @@ class ActorLink:
                 self._learn_version(v)
             case ControlRequest():
                 self.controls.put_nowait(msg)
+            case CreditGrant(session=session, granted=granted):
+                if self.credits is not None:
+                    self.credits.on_grant(session, granted)
 
     # ---- message handlers --------------------------------------------------
 
@@ -345,6 +365,9 @@ class ActorLink:
             self._c.trainer_restarts += 1
         self.trainer_incarnation = w.trainer_incarnation
         self._connected = True
+        if self.credits is not None:
+            self.credits.new_session(w.trainer_incarnation)
+            self.credits.report_due = True  # tell it what this actor wants
         self._c.registrations += 1
         for h in self._outbox.values():
             if new:
@@ -360,6 +383,7 @@ class ActorLink:
             self.trainer_version = None  # a restarted trainer may be at an older checkpoint
         self._learn_version(w.version)
         self._send_evals()
+        self.send_credit_report()
         self._progress.set()
 
     def _on_ack(self, ids: list[str]) -> None:
@@ -528,6 +552,8 @@ class ActorLink:
                      **(self._stats_fn() if self._stats_fn else {})}
             if self._send(Heartbeat(self.node_id, self.version, stats)):
                 self._last_hb = now
+                self.send_credit_report(force=True)
+        self.send_credit_report()
         self._resend_and_query(now)
         if self._send_queue:
             self._wake.set()  # the send loop gave up on an error other than HWM

@@ -1,0 +1,235 @@
+"""Credit-based flow control: the trainer decides how many groups run.
+
+Owns: the credit ledger of both ends. ``CreditLedger`` lives in the
+trainer's link, ``ActorCredits`` in each actor's link; the actor's
+``RolloutScheduler`` spends a credit to start a group. Must not touch
+sockets (the links send the messages) nor the training buffer (the trainer
+daemon reports consumption with ``release``).
+
+Why the trainer: it is the only place that knows what it will consume. A
+budget counted in each actor lets N actors start N times what the trainer
+trains, lets a restarted actor start a burst, and stalls when dropped
+groups are counted as started (all measured before this module existed).
+
+The protocol (messages in ``rlnode.wire``):
+
+* A *credit* is the right to start one group. The trainer grants credits
+  to each actor incarnation, per trainer incarnation (the *session*), as a
+  cumulative count: ``CreditGrant(session, granted)``. The actor reports its
+  side, also cumulative: ``CreditReport(session, want, started, returned)``.
+  Cumulative counts make every message idempotent: a lost one is healed by
+  the next (grants are re-sent with every trainer heartbeat, reports with
+  every actor heartbeat). Counts of another session are ignored.
+* Budget, over all actors: ``outstanding <= (max_lag + 1) * groups_per_step``
+  where ``outstanding`` = credits in actors' hands (granted, neither
+  delivered nor returned: unused, or a group running or in transit) +
+  groups delivered and not yet released by the trainer. Each optimizer step
+  consumes ``groups_per_step`` groups and releases them once the new weights
+  are pushed, so over a run at most ``(version + max_lag + 1) *
+  groups_per_step`` groups are admitted net of drops: a group started at
+  version v is trained by about version v + max_lag. Sync mode is the same
+  with ``max_lag = 0``: the next groups start on the new weights.
+* A credit comes back when its group is dropped on the actor (episodes
+  failed past their retries: ``returned``), rejected by the trainer as
+  invalid, consumed by a step (trained, skipped or dropped as stale), or
+  when its actor leaves (timeout, or replaced by a new incarnation: the
+  credits in its hands died with it). A new or restarted actor starts with
+  zero credits: it is granted what the budget has free, never a burst.
+* Sharing by demand: each actor asks for ``want`` (how many groups it can
+  run at once); free credits go one at a time to the connected actor with
+  the lowest ``in_hands / want``. A fast actor returns its credits (as
+  delivered groups) sooner and so is topped up more often; a slow one keeps
+  what it holds but cannot take more than its ``want``.
+* Limits, stated: groups started under an older session (a trainer
+  restart) or by an actor that was timed out and came back count only once
+  delivered, so ``outstanding`` can exceed the budget for a moment then; no
+  credit is granted until it is back under. The trainer drops and counts
+  samples older than ``max_lag`` whatever happens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Iterable
+
+import msgspec
+
+from rlnode.wire import CreditReport
+
+
+class PeerCredits(msgspec.Struct):
+    """One actor incarnation's account in the trainer's ledger."""
+
+    peer_id: str
+    connected: bool = True
+    want: int = 0  # from its last report
+    granted: int = 0  # cumulative, this session
+    started: int = 0  # from its reports (informational)
+    returned: int = 0  # from its reports: groups it dropped
+    delivered: int = 0  # groups of this session it delivered (accepted or rejected)
+
+    @property
+    def in_hands(self) -> int:
+        """Credits it holds: unused, or spent on a group not yet delivered."""
+        return max(0, self.granted - self.returned - self.delivered)
+
+
+class CreditLedger:
+    """The trainer's side. ``budget`` None = no global limit (each actor is
+    topped up to its ``want``): for tools and tests that run a bare link."""
+
+    def __init__(self, session: str, budget: int | None):
+        self.session = session
+        self.budget = budget
+        self.peers: dict[str, PeerCredits] = {}
+        self.waiting: set[str] = set()  # delivered groups the trainer has not released
+        self.peak = 0  # highest outstanding since reset_peak()
+        self.granted_total = 0
+        self.returned_total = 0
+        self.foreign_reports = 0  # reports for another session (stale), ignored
+
+    def outstanding(self) -> int:
+        return len(self.waiting) + sum(p.in_hands for p in self.peers.values() if p.connected)
+
+    def reset_peak(self) -> int:
+        """The peak since the last call; starts a new window at the current value."""
+        peak, self.peak = self.peak, self.outstanding()
+        return max(peak, self.peak)
+
+    def _note(self) -> None:
+        self.peak = max(self.peak, self.outstanding())
+
+    # ---- peers ---------------------------------------------------------------
+
+    def peer_joined(self, peer_id: str) -> None:
+        """Registered (new, or the same incarnation back after a timeout)."""
+        self.peers.setdefault(peer_id, PeerCredits(peer_id)).connected = True
+        self._note()
+
+    def peer_left(self, peer_id: str) -> None:
+        """Timed out: its credits stop counting (it may be dead); kept in case
+        the same incarnation comes back."""
+        p = self.peers.get(peer_id)
+        if p is not None:
+            p.connected = False
+
+    def forget(self, peer_id: str) -> None:
+        """Replaced by a new incarnation of its node: that process is gone."""
+        self.peers.pop(peer_id, None)
+
+    def on_report(self, peer_id: str, r: CreditReport) -> bool:
+        """Apply an actor's report; False if it was for another session."""
+        p = self.peers.get(peer_id)
+        if p is None or r.session != self.session:
+            self.foreign_reports += 1
+            return False
+        p.want = max(0, r.want)
+        p.started = max(p.started, r.started)
+        if r.returned > p.returned:
+            self.returned_total += r.returned - p.returned
+            p.returned = r.returned
+        return True
+
+    # ---- groups ----------------------------------------------------------------
+
+    def on_delivered(self, peer_id: str, session: str, group_id: str, accepted: bool) -> None:
+        """A group arrived (first time for its id): ``accepted`` groups wait
+        for a step; rejected ones give their credit back at once."""
+        p = self.peers.get(peer_id)
+        if p is not None and session == self.session:
+            p.delivered += 1
+        if accepted:
+            self.waiting.add(group_id)
+        self._note()
+
+    def hold(self, group_ids: Iterable[str]) -> None:
+        """Groups the trainer holds that came another way (restored from a
+        checkpoint): they count until released."""
+        self.waiting.update(group_ids)
+        self._note()
+
+    def release(self, group_ids: Iterable[str]) -> None:
+        """Consumed by a step (trained, skipped or stale) or dropped: free."""
+        self.waiting.difference_update(group_ids)
+
+    # ---- granting ----------------------------------------------------------
+
+    def grant(self) -> list[PeerCredits]:
+        """Hand out what the budget has free, by demand; returns the peers
+        whose grant grew (the link sends them ``CreditGrant``)."""
+        live = [p for p in self.peers.values() if p.connected and p.want > 0]
+        free = (self.budget - self.outstanding()) if self.budget is not None else sum(p.want for p in live)
+        changed: dict[str, PeerCredits] = {}
+        while free > 0:
+            needy = [p for p in live if p.in_hands < p.want]
+            if not needy:
+                break
+            p = min(needy, key=lambda p: (p.in_hands / p.want, p.granted))
+            p.granted += 1
+            self.granted_total += 1
+            free -= 1
+            changed[p.peer_id] = p
+        self._note()
+        return list(changed.values())
+
+    def summary(self) -> dict:
+        return {"budget": self.budget if self.budget is not None else -1, "outstanding": self.outstanding(),
+                "waiting": len(self.waiting), "granted": self.granted_total, "returned": self.returned_total,
+                "foreign_reports": self.foreign_reports,
+                "peers": {pid: {"connected": p.connected, "want": p.want, "granted": p.granted,
+                                "in_hands": p.in_hands, "delivered": p.delivered, "returned": p.returned}
+                          for pid, p in self.peers.items()}}
+
+
+class ActorCredits:
+    """An actor's side: how many groups the trainer lets it start now.
+
+    ``acquire`` waits for a credit and returns the session it belongs to
+    (stamped on the group); ``give_back`` returns the credit of a group
+    dropped on this actor. ``report_due`` is set whenever the trainer should
+    hear the new counts (the link sends a ``CreditReport``)."""
+
+    def __init__(self, want: int):
+        if want < 1:
+            raise ValueError(f"want must be >= 1, got {want}")
+        self.want = want
+        self.session: str | None = None
+        self.granted = 0
+        self.started = 0
+        self.returned = 0
+        self.report_due = False
+        self._changed = asyncio.Event()
+
+    @property
+    def available(self) -> int:
+        return self.granted - self.started if self.session is not None else 0
+
+    def new_session(self, session: str) -> None:
+        """Welcomed by a new trainer incarnation: credits of the old one are void."""
+        if session != self.session:
+            self.session, self.granted, self.started, self.returned = session, 0, 0, 0
+            self.report_due = True
+
+    def on_grant(self, session: str, granted: int) -> bool:
+        if session != self.session or granted <= self.granted:
+            return False
+        self.granted = granted
+        self._changed.set()
+        return True
+
+    async def acquire(self) -> str:
+        while self.available <= 0:
+            self._changed.clear()
+            await self._changed.wait()
+        self.started += 1
+        self.report_due = True
+        return self.session
+
+    def give_back(self, session: str) -> None:
+        if session and session == self.session:
+            self.returned += 1
+            self.report_due = True
+
+    def report(self) -> CreditReport:
+        self.report_due = False
+        return CreditReport(self.session or "", self.want, self.started, self.returned)
