@@ -196,6 +196,12 @@ class CreditReport(_Msg, tag="credrep"):
     want: int  # groups this actor can run at once: the trainer tops its credits up to this
     started: int  # credits spent on starting a group (cumulative)
     returned: int  # credits given back: groups dropped on the actor after retries (cumulative)
+    # Group ids of this actor incarnation are f"{id_prefix}g{index:07d}";
+    # it holds no group with an index below settled_below any more (each was
+    # committed or dropped), so none can be resent: the trainer compacts its
+    # memory of consumed ids up to there (rlnode.link.consumed).
+    id_prefix: str = ""
+    settled_below: int = 0
 
 
 class Welcome(_Msg, tag="welcome"):

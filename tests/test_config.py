@@ -72,6 +72,22 @@ def test_cross_field_rules():
         load_config(None, ["actor.engine.device=\"cpu\"", "actor.engine.tensor_parallel_size=2"])
 
 
+def test_truncated_sampling_is_refused():
+    # The trainer scores tokens under softmax(logits / T): top-p sampling
+    # would make every importance ratio silently wrong.
+    with pytest.raises(ConfigError, match=r"^actor\.sampling\.top_p: must be 1\.0 for training \(got 0\.9\)"):
+        load_config(None, ["actor.sampling.top_p=0.9"])
+    assert load_config(None, ["actor.sampling.top_p=1.0"]).actor.sampling.top_p == 1.0
+
+
+def test_groups_in_flight_default():
+    from rlnode.config import groups_in_flight
+
+    assert groups_in_flight(load_config(None, ["actor.scheduler.max_concurrent_episodes=20",
+                                               "actor.scheduler.attempts=8"])) == 3
+    assert groups_in_flight(load_config(None, ["actor.scheduler.max_groups_in_flight=5"])) == 5
+
+
 def test_invalid_toml_and_missing_file(tmp_path):
     f = tmp_path / "bad.toml"
     f.write_text("[actor\n")

@@ -51,6 +51,19 @@ def episode_settings(cfg: Config) -> EpisodeSettings:
     )
 
 
+class _LinkSink:
+    """Where the scheduler puts complete groups when a trainer is connected:
+    the link's outbox (``submit`` never blocks)."""
+
+    def __init__(self, link, node_id: str):
+        self.link, self.node_id = link, node_id
+
+    async def put(self, group: Group) -> None:
+        from rlnode.wire import group_to_delivery
+
+        self.link.submit(group_to_delivery(group, self.node_id))
+
+
 class ActorDaemon:
     name = "actor"
 
@@ -125,12 +138,24 @@ class ActorDaemon:
         self.link = ActorLink(trainer_endpoint(self.peers[0]), self.node_id,
                               [(e.engine_id, tp) for e in self.engines], self.cfg.link,
                               incarnation=self.incarnation, stats=self._stats,
-                              credit_want=groups_in_flight(self.cfg) if self.scheduler else 0)
+                              credit_want=groups_in_flight(self.cfg) if self.scheduler else 0,
+                              settled=self._settled if self.scheduler else None)
         if self.scheduler is not None:
             # Under a trainer, groups start on its credits (its global budget),
             # not on the local version count.
             self.scheduler.gate = self.link.credits
         await self.link.start()
+
+    def _settled(self) -> tuple[str, int]:
+        """(group id prefix, lowest index this actor may still send): every
+        group below it was committed or dropped (CreditReport.settled_below)."""
+        s = self.scheduler
+        low = min(s.in_flight_indices, default=s.started_groups)
+        prefix = s.id_prefix
+        for gid in self.link.held_ids():
+            if gid.startswith(prefix) and gid[len(prefix) + 1:].isdigit():
+                low = min(low, int(gid[len(prefix) + 1:]))
+        return prefix, low
 
     def _stats(self) -> dict[str, float]:
         r = self.router.stats()
@@ -145,19 +170,15 @@ class ActorDaemon:
     async def run(self, stop: asyncio.Event) -> None:
         jobs = []
         if self.scheduler is not None:
-            jobs.append(asyncio.create_task(self.scheduler.run(self.groups), name="rollouts"))
+            # With a trainer, complete groups go straight into the link's
+            # outbox (no queue in between: what the actor holds is exactly
+            # the scheduler's groups in flight plus the outbox).
+            out = _LinkSink(self.link, self.node_id) if self.link is not None else self.groups
+            jobs.append(asyncio.create_task(self.scheduler.run(out), name="rollouts"))
         if self.link is not None:
-            jobs.append(asyncio.create_task(self._forward_groups(), name="forward"))
             jobs.append(asyncio.create_task(self._control_loop(), name="control"))
             jobs.append(asyncio.create_task(self._raise_fatal(), name="fatal"))
         await run_until_stopped(jobs, stop)
-
-    async def _forward_groups(self) -> None:
-        from rlnode.wire import group_to_delivery
-
-        while True:
-            group = await self.groups.get()
-            self.link.submit(group_to_delivery(group, self.node_id))
 
     async def _control_loop(self) -> None:
         from rlnode.wire import ControlReply, ControlRequest

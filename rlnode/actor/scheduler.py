@@ -172,6 +172,8 @@ class RolloutScheduler:
         self.eval_stats: dict[str, CubeStats] = {}
         self.started_groups = 0
         self.waiting_for_credit = False
+        # Indices of groups started and not yet handed to ``out`` or dropped.
+        self.in_flight_indices: set[int] = set()
         self.in_flight_groups = 0
         self.max_in_flight_groups = 0
         self.episodes_in_flight = 0
@@ -217,6 +219,7 @@ class RolloutScheduler:
                 ref = self.next_task()
                 index = self.started_groups
                 self.started_groups += 1
+                self.in_flight_indices.add(index)
                 self._spawn(self._run_group(ref, index, out, session))
         finally:
             if eval_task:
@@ -233,6 +236,12 @@ class RolloutScheduler:
         await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _run_group(self, ref: CubeTaskRef, index: int, out: asyncio.Queue, session: str = "") -> None:
+        try:
+            await self._play_group(ref, index, out, session)
+        finally:
+            self.in_flight_indices.discard(index)
+
+    async def _play_group(self, ref: CubeTaskRef, index: int, out: asyncio.Queue, session: str) -> None:
         group_id = f"{self.id_prefix}g{index:07d}"
         start_version = self.versions.version
         self.in_flight_groups += 1

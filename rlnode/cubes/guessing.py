@@ -19,7 +19,7 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
-from rlnode.cubes.base import Action, Cube, CubeTask, CubeTaskRef, Evaluation, Reset, Split, StepResult, ToolSpec
+from rlnode.cubes.base import Action, Cube, CubeError, CubeTask, CubeTaskRef, Evaluation, Reset, Split, StepResult, ToolSpec
 from rlnode.cubes.tasks import first_number, split_index, task_rng
 
 
@@ -34,6 +34,10 @@ class GuessingOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # Task instances per split (ids train-N / test-N).
     num_train_tasks: Annotated[int, Meta(ge=1)] = 10_000
     num_test_tasks: Annotated[int, Meta(ge=1)] = 64
+    # Fault injection for drills and tests: every Nth train task (index % N
+    # == 0) fails in reset, on every attempt, as a broken task server would;
+    # its groups are dropped after retries. 0 = off.
+    fail_reset_every: Annotated[int, Meta(ge=0)] = 0
 
 
 class GuessingTask(CubeTask):
@@ -46,6 +50,11 @@ class GuessingTask(CubeTask):
         self.solved = False
 
     async def reset(self) -> Reset:
+        every = self.opts.fail_reset_every
+        if every:
+            split, idx = split_index(self.ref.task_id)
+            if split == "train" and idx % every == 0:
+                raise CubeError(f"task {self.ref.task_id}: injected reset failure (fail_reset_every={every})")
         n = self.opts.max_number
         return Reset(
             observation=f"Guess the hidden number between 1 and {n}. Reply with one number.",

@@ -111,7 +111,8 @@ class ActorLink:
                  link: LinkConfig | None = None, *, incarnation: str | None = None, curve_key: str = "actor",
                  ack_timeout_s: float | None = None, commit_query_s: float = 30.0,
                  max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, sndhwm: int = 256, rcvhwm: int = 1024,
-                 stats: Callable[[], dict[str, float]] | None = None, credit_want: int = 0):
+                 stats: Callable[[], dict[str, float]] | None = None, credit_want: int = 0,
+                 settled: Callable[[], tuple[str, int]] | None = None):
         if not node_id or "/" in node_id:
             raise ValueError(f"node_id must be non-empty and without '/': {node_id!r}")
         self.trainer = trainer
@@ -135,7 +136,7 @@ class ActorLink:
         self.trainer_version: int | None = None
         self.controls: asyncio.Queue[ControlItem | LinkError] = asyncio.Queue()
         # Groups this actor can run at once (0 = it starts no groups: tools, tests).
-        self.credits = ActorCredits(credit_want) if credit_want > 0 else None
+        self.credits = ActorCredits(credit_want, settled) if credit_want > 0 else None
         self._c = ActorLinkCounters()
         self._outbox: dict[str, _Held] = {}
         self._n_acked = 0  # held groups acked by the current trainer incarnation

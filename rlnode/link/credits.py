@@ -50,7 +50,7 @@ The protocol (messages in ``rlnode.wire``):
 from __future__ import annotations
 
 import asyncio
-from typing import Iterable
+from typing import Callable, Iterable
 
 import msgspec
 
@@ -189,10 +189,13 @@ class ActorCredits:
     dropped on this actor. ``report_due`` is set whenever the trainer should
     hear the new counts (the link sends a ``CreditReport``)."""
 
-    def __init__(self, want: int):
+    def __init__(self, want: int, settled: Callable[[], tuple[str, int]] | None = None):
         if want < 1:
             raise ValueError(f"want must be >= 1, got {want}")
         self.want = want
+        # (id prefix, index below which this actor holds no group): reported
+        # so the trainer can compact its consumed-id memory.
+        self.settled = settled
         self.session: str | None = None
         self.granted = 0
         self.started = 0
@@ -232,4 +235,5 @@ class ActorCredits:
 
     def report(self) -> CreditReport:
         self.report_due = False
-        return CreditReport(self.session or "", self.want, self.started, self.returned)
+        prefix, below = self.settled() if self.settled else ("", 0)
+        return CreditReport(self.session or "", self.want, self.started, self.returned, prefix, below)

@@ -77,7 +77,7 @@ class CheckpointManager:
         self.keep = keep
 
     def save(self, step: int, version: int, model, optimizer, scheduler, model_src: str,
-             consumed_ids: list[str], extra: dict[str, Any], buffered: list | None = None) -> Path:
+             consumed_ids: dict | list[str], extra: dict[str, Any], buffered: list | None = None) -> Path:
         self.dir.mkdir(parents=True, exist_ok=True)
         # The save time in the name: re-saving the same step (e.g. at shutdown,
         # with new buffered groups) never touches the checkpoint `latest`
