@@ -20,9 +20,22 @@ Two halves, two processes:
   engine-core loop, so the receive runs on a worker thread and the driver
   polls it; generation stops only for the load itself.
 
+Two refusals keep an engine's weights trustworthy:
+
+* monotonic: an engine refuses a plan older than the version it holds from
+  the same source (trainer incarnation). The refusal is a reject vote in the
+  plan agreement every rank takes part in before any bucket flows, so the
+  trainer and the other ranks skip the buckets and the group stays usable:
+  a refusal can never leave a collective waiting;
+* no half-loaded engine serves: when the load itself fails (``LoadError``)
+  the engine stays paused, refuses every later update, and
+  ``load_failure(engine)`` says why: the actor daemon then exits non-zero
+  so that it is restarted from the checkpoint on disk.
+
 Owns: the worker's group membership and staged weights, the per-engine
-update lock. Must not touch: the admission router, requests (they are kept,
-never aborted), the trainer's group epochs (rank 0 decides them).
+update lock and weight record. Must not touch: the admission router,
+requests (they are kept, never aborted), the trainer's group epochs (rank 0
+decides them).
 """
 
 from __future__ import annotations
@@ -221,16 +234,17 @@ class WeightReceiverExtension:
 
             torch.cuda.set_device(self.device)
 
-    def rlnode_receive(self, plan_bytes: bytes) -> None:
+    def rlnode_receive(self, plan_bytes: bytes, refuse: str = "") -> None:
         """Start receiving ``plan`` into staging buffers (engine keeps
-        generating). A plan that does not fit the model is voted down on the
-        group, so the trainer and every other rank skip it too."""
+        generating). A plan that does not fit the model, or that the driver
+        ``refuse``s (its reason), is voted down on the group, so the trainer
+        and every other rank skip it too."""
         state = self._rlnode_state()
         plan = decode_plan(plan_bytes)
         comm = state.comm
         if comm is None or state.broken or plan.epoch != state.epoch:
             raise TransferError(f"rlnode: no usable group for epoch {plan.epoch} (have {state.epoch})")
-        reason = self._rlnode_check(plan)
+        reason = refuse or self._rlnode_check(plan)
         state.staged = None
 
         def receive() -> None:
@@ -347,16 +361,36 @@ class UpdateTimings(msgspec.Struct):
     retied: int = 0  # tied heads whose CPU kernel was rebuilt (see refresh_tied_heads)
 
 
-# One lock per engine: updates, joins and leaves never interleave on it.
-_locks: weakref.WeakKeyDictionary[Engine, asyncio.Lock] = weakref.WeakKeyDictionary()
+@dataclass
+class _EngineWeights:
+    """What the driver knows about one engine's weights."""
+
+    # Updates, joins and leaves never interleave on an engine.
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    source: str | None = None  # who sent the weights it holds (None: loaded from disk)
+    version: int = 0  # their version
+    failed: str = ""  # why a load failed: the engine is half-loaded, paused for good
+
+
+_engines: weakref.WeakKeyDictionary[Engine, _EngineWeights] = weakref.WeakKeyDictionary()
 # Poll interval bounds for the worker thread's job (s).
 POLL_MIN_S, POLL_MAX_S = 0.002, 0.05
 
 
+def _weights(engine: Engine) -> _EngineWeights:
+    if engine not in _engines:
+        _engines[engine] = _EngineWeights()
+    return _engines[engine]
+
+
 def _lock(engine: Engine) -> asyncio.Lock:
-    if engine not in _locks:
-        _locks[engine] = asyncio.Lock()
-    return _locks[engine]
+    return _weights(engine).lock
+
+
+def load_failure(engine: Engine) -> str:
+    """'' unless loading an update failed: then the engine holds partly
+    updated weights, is paused, and must be restarted."""
+    return _weights(engine).failed
 
 
 def engine_num_ranks(engine: Engine) -> int:
@@ -423,10 +457,15 @@ async def leave_group(engine: Engine) -> None:
 
 
 async def apply_weight_update(engine: Engine, plan: WeightUpdatePlan, timeout_s: float = 300.0,
-                              overlap_transfer: bool = True) -> UpdateTimings:
+                              overlap_transfer: bool = True, source: str = "") -> UpdateTimings:
     """Receive ``plan``'s broadcast (the trainer sends it concurrently) and
     load it. Requests in flight are kept; tokens after the load are tagged
     ``str(plan.version)`` in ``Completion.weight_versions``.
+
+    source: who sends it (the trainer's incarnation). A plan older than the
+    version the engine holds from the same source is refused (PlanMismatch;
+    voted down before any bytes flow). A different source may go back: a
+    restarted trainer resumes from its last checkpoint.
 
     overlap_transfer: receive while the engine keeps generating (default);
     False pauses first, so the transfer counts as stall too (for NCCL with
@@ -434,33 +473,43 @@ async def apply_weight_update(engine: Engine, plan: WeightUpdatePlan, timeout_s:
     model's own is not verified to be safe).
 
     Raises PlanMismatch (nothing loaded, group usable), TransferError
-    (nothing loaded, epoch unusable) or LoadError (engine must restart)."""
+    (nothing loaded, epoch unusable) or LoadError (the engine stays paused
+    and must restart)."""
     plan.validate()
-    async with _lock(engine):
+    held = _weights(engine)
+    async with held.lock:
+        if held.failed:
+            raise LoadError(f"engine {engine.engine_id} failed loading earlier and must restart: {held.failed}")
+        refuse = ""
+        if held.source == source and plan.version < held.version:
+            refuse = f"version {plan.version} is older than version {held.version} that the engine holds"
         t0 = time.monotonic()
         try:
             if overlap_transfer:
-                await _receive(engine, plan, timeout_s)
+                await _receive(engine, plan, timeout_s, refuse)
                 received_s = time.monotonic() - t0
                 phases = await _pause_load_resume(engine, plan.version)
                 phases["receive_s"] = received_s
             else:
-                phases = await _pause_load_resume(engine, plan.version, lambda: _receive(engine, plan, timeout_s))
+                phases = await _pause_load_resume(engine, plan.version,
+                                                  lambda: _receive(engine, plan, timeout_s, refuse))
         except Exception as e:
             log.warning("weights.update_failed", engine=engine.engine_id, version=plan.version,
                         epoch=plan.epoch, error_type=type(e).__name__, error=str(e))
             raise
+        held.source, held.version = source, plan.version
         timings = UpdateTimings(plan.version, plan.epoch, plan.nbytes, total_s=time.monotonic() - t0, **phases)
     log.info("weights.updated", engine=engine.engine_id,
              **{k: round(v, 4) if isinstance(v, float) else v for k, v in msgspec.structs.asdict(timings).items()})
     return timings
 
 
-async def _receive(engine: Engine, plan: WeightUpdatePlan, timeout_s: float) -> None:
-    """Vote + transfer into the workers' staging buffers; on any failure
-    (or cancellation) the staged bytes are dropped."""
+async def _receive(engine: Engine, plan: WeightUpdatePlan, timeout_s: float, refuse: str = "") -> None:
+    """Vote (against, with reason ``refuse``, when set) + transfer into the
+    workers' staging buffers; on any failure (or cancellation) the staged
+    bytes are dropped."""
     try:
-        await _rpc(engine, "rlnode_receive", encode(plan))
+        await _rpc(engine, "rlnode_receive", encode(plan), refuse)
         await _wait_job(engine, "receive", timeout_s)
     except BaseException:
         await asyncio.shield(_discard(engine))
@@ -476,7 +525,9 @@ async def _discard(engine: Engine) -> None:
 
 async def _pause_load_resume(engine: Engine, version: int, receive=None) -> dict:
     """pause(keep) -> [receive] -> load -> tag the version -> resume; the
-    resume runs whatever happened after the pause was requested."""
+    resume runs whatever happened after the pause was requested, except a
+    failed load: a half-loaded engine must not serve, so it stays paused
+    (its requests wait, and are aborted when the daemon stops it)."""
     llm = engine.llm
     t0 = time.monotonic()
     t1 = t2 = t0
@@ -489,14 +540,18 @@ async def _pause_load_resume(engine: Engine, version: int, receive=None) -> dict
         try:
             results = await _rpc(engine, "rlnode_load", version)
         except Exception as e:
-            raise LoadError(f"engine {engine.engine_id}: loading version {version} failed: {e!r}") from e
+            err = LoadError(f"engine {engine.engine_id}: loading version {version} failed: {e!r}")
+            _weights(engine).failed = str(err)
+            log.error("weights.load_failed", engine=engine.engine_id, version=version, error=repr(e))
+            raise err from e
         # Tokens from here on are produced by the new weights; requests
         # submitted from here on get the new prefix-cache salt.
         await llm.update_weight_version(str(version))
         engine.weight_version = str(version)
     finally:
         t3 = time.monotonic()
-        await asyncio.shield(llm.resume_generation())
+        if not _weights(engine).failed:
+            await asyncio.shield(llm.resume_generation())
     t4 = time.monotonic()
     return {"pause_s": t1 - t0, "receive_s": t2 - t1, "load_s": t3 - t2,
             "reload_s": max(r["reload_s"] for r in results), "resume_s": t4 - t3, "stalled_s": t4 - t0,

@@ -19,14 +19,17 @@ ranks (rendezvous, collectives) and are plain functions; the ``*_async``
 wrappers run them with ``asyncio.to_thread`` so the daemon's loop keeps going.
 The caller must ensure the actors join / receive concurrently. Cancelling a
 wrapper does not stop the thread: a broadcast runs to its end or its timeout.
-``broadcast`` reads the parameters as they are: do not step the optimizer
-until it returns (or pass a snapshot).
+``broadcast`` reads the parameters as they are: the optimizer must not step
+until it returns. ``WeightGuard`` is the lock that makes sure of it, and
+keeps the version label of a push equal to the weights it read.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
@@ -88,6 +91,49 @@ def update_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
             name = name.removeprefix(prefix)
         out.append((name, p.detach()))
     return out
+
+
+class WeightGuard:
+    """The trainer's parameters and the policy version they hold, behind one
+    lock (a ``threading.Lock``: optimizer steps and broadcasts run in worker
+    threads).
+
+    Optimizer steps run through ``step``: the version moves to v + 1 inside
+    the lock, together with the weights. A push reads the parameters inside
+    ``reading()``, which yields the version of exactly those weights: it
+    never sees a half-stepped model, and the label it sends (which actors
+    also use as their prefix-cache salt) never names weights it does not
+    carry. A push holds the lock for its whole broadcast (buckets are packed
+    from the live parameters one by one): a step that wants to start waits
+    for it, at most the group's timeout. In the train loop the push follows
+    the step anyway; only a push for a joining actor or a retry can delay a
+    step.
+    """
+
+    def __init__(self, version: int):
+        self._lock = threading.Lock()
+        self.version = version
+        # monotonic time of the last step's start or end (or of creation):
+        # the trainer's stall watch reads it without the lock.
+        self.progress_at = time.monotonic()
+
+    def step(self, fn, *args):
+        """Blocking: ``fn(*args)`` (an optimizer step) under the lock; the
+        version moves only when it returns."""
+        with self._lock:
+            self.progress_at = time.monotonic()
+            try:
+                out = fn(*args)
+                self.version += 1
+            finally:
+                self.progress_at = time.monotonic()
+        return out
+
+    @contextlib.contextmanager
+    def reading(self):
+        """Blocking: hold the lock; yields the version the parameters hold."""
+        with self._lock:
+            yield self.version
 
 
 def resolve_backend(cfg: WeightSyncConfig, device: str) -> str:

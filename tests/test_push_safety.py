@@ -1,0 +1,260 @@
+"""Weight pushes that cannot lie and cannot fail silently.
+
+* a push requested while an optimizer step runs carries exactly the
+  post-step weights, labelled with their version, never a mix (the real
+  engine behind a real ActorDaemon, real ZeroMQ, real gloo);
+* an engine refuses a version older than the one it holds, without hanging
+  the collective, and keeps serving its weights;
+* pushes that keep failing (an actor that registers but never answers)
+  turn the trainer's /healthz to 503 with the reason;
+* groups waiting with no optimizer step for trainer.stall_timeout_s turn it
+  to 503 too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import random
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from conftest import reference_logprobs
+from daemons import free_port
+from rlnode.config import WeightSyncConfig, load_config
+from rlnode.trainer.sync import WeightPusher
+from rlnode.trainer.weights import WeightBroadcaster, WeightGuard
+
+
+@dataclass
+class Rig:
+    actor: object  # ActorDaemon, running
+    pusher: WeightPusher
+    hf: torch.nn.Module  # the trainer's model
+    prompts: list[list[int]]
+
+
+async def _wait(pred, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if value := pred():
+            return value
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+async def rig(tmp_path_factory, engine_config):
+    from transformers import AutoModelForCausalLM
+
+    from rlnode.actor.daemon import ActorDaemon
+    from rlnode.link.trainer_link import TrainerLink
+    from rlnode.tiny_model import build_tiny_model
+
+    path = build_tiny_model(tmp_path_factory.mktemp("push-safety"), tie_embeddings=False, seed=7)
+    port = free_port()
+    cfg = load_config(None, [f"model.path={path}", "model.max_model_len=1024", 'trainer.device="cpu"',
+                             "actor.cubes=[]", f'actor.peers=["127.0.0.1:{port}"]', 'actor.node_id="n1"',
+                             "link.heartbeat_s=0.5"])
+    cfg.actor.engine = engine_config
+    link = TrainerLink(f"tcp://127.0.0.1:{port}", cfg.link)
+    await link.start()
+    actor = ActorDaemon(cfg)
+    stop = asyncio.Event()
+    run = None
+    bc = WeightBroadcaster(WeightSyncConfig(backend="gloo", bucket_mb=1, base_port=random.randrange(30000, 60000)),
+                           master_host="127.0.0.1", timeout_s=30)
+    try:
+        await actor.start()
+        run = asyncio.create_task(actor.run(stop))
+        await _wait(lambda: any(p.connected and p.engines for p in link.peers().values()), 30, "the actor to register")
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        rng = random.Random(11)
+        # Several KV blocks: a stale prefix cache would show as a mismatch.
+        prompts = [[rng.randrange(40, 200) for _ in range(rng.randrange(300, 360))] for _ in range(2)]
+        yield Rig(actor, WeightPusher(link, bc, hf, WeightGuard(0), request_timeout_s=60), hf, prompts)
+    finally:
+        stop.set()
+        if run is not None:
+            await asyncio.gather(run, return_exceptions=True)
+        await actor.shutdown()
+        bc.close_group()
+        await link.close()
+
+
+async def _engine_diffs(rig: Rig, version: int, *models) -> list[float]:
+    """Sample from the engine; max |engine - model| logprob per model. Every
+    token must carry ``version``'s label."""
+    from rlnode.actor.engine import SamplingSettings
+
+    engine = rig.actor.engines[0]
+    outs = await asyncio.gather(*(engine.generate(p, SamplingSettings(max_tokens=12, seed=i, ignore_eos=True))
+                                  for i, p in enumerate(rig.prompts)))
+    for c in outs:
+        assert c.weight_versions == [(str(version), 0, 12)], c.weight_versions
+    return [max((reference_logprobs(m, p, c.token_ids) - torch.tensor(c.logprobs)).abs().max().item()
+                for p, c in zip(rig.prompts, outs)) for m in models]
+
+
+def _staged_step(model: torch.nn.Module, target: dict[str, torch.Tensor], started: threading.Event,
+                 gap_s: float) -> None:
+    """An 'optimizer step' that writes the parameters in two halves with a
+    gap between them: a push that read the parameters in the gap would carry
+    half old, half new weights."""
+    params = list(model.named_parameters())
+    with torch.no_grad():
+        for name, p in params[: len(params) // 2]:
+            p.copy_(target[name])
+        started.set()
+        time.sleep(gap_s)
+        for name, p in params[len(params) // 2 :]:
+            p.copy_(target[name])
+
+
+@pytest.mark.engine
+async def test_push_during_a_step_carries_the_post_step_weights_and_their_version(rig):
+    assert await rig.pusher.push()  # version 0, the weights on disk
+    assert rig.actor.engines[0].weight_version == "0"
+    before = copy.deepcopy(rig.hf)
+    gen = torch.Generator().manual_seed(3)
+    target = {n: p.detach() + 0.05 * torch.randn(p.shape, generator=gen) for n, p in rig.hf.named_parameters()}
+    after = copy.deepcopy(rig.hf)
+    after.load_state_dict(target, strict=False)
+
+    guard, started = rig.pusher.guard, threading.Event()
+    step = asyncio.ensure_future(asyncio.to_thread(guard.step, _staged_step, rig.hf, target, started, 1.5))
+    assert await asyncio.to_thread(started.wait, 30)
+    t0 = time.monotonic()
+    pushed = await rig.pusher.push(0)  # the caller still believes version 0
+    waited = time.monotonic() - t0
+    await step
+    assert pushed and guard.version == rig.pusher.pushed_version == 1
+    assert waited > 1.0  # it waited for the step instead of reading mid-step
+    assert rig.actor.engines[0].weight_version == "1"
+    new_diff, old_diff = await _engine_diffs(rig, 1, after, before)
+    assert new_diff < 1e-4, f"engine vs post-step weights: {new_diff}"
+    assert old_diff > 1e-2, f"engine still serves the pre-step weights: {old_diff}"
+
+
+@torch.no_grad()
+def _scale(model: torch.nn.Module, factor: float) -> None:
+    for p in model.parameters():
+        p.mul_(factor)
+
+
+@pytest.mark.engine
+async def test_engine_refuses_an_older_version_without_hanging_the_group(rig):
+    from rlnode.actor.weight_receiver import load_failure
+
+    guard, pusher = rig.pusher.guard, rig.pusher
+    held = guard.version
+    assert held >= 1 and pusher.pushed_version == held  # left by the previous test
+    # A trainer that went back (a bug): same incarnation, older version.
+    guard.version = held - 1
+    t0 = time.monotonic()
+    assert not await pusher.push()
+    refused_s = time.monotonic() - t0
+    assert refused_s < 10, f"a refusal must not wait for the group timeout (took {refused_s:.1f} s)"
+    # The trainer's error names the actor's reason (and so does /healthz
+    # once such failures pile up).
+    assert pusher.failures_in_a_row == 1, pusher.last_error
+    assert pusher.last_error.startswith(f"PlanMismatch: version {held - 1}: 1 receiver rank(s) rejected the plan")
+    assert f"version {held - 1} is older than version {held} that the engine holds" in pusher.last_error
+    # Nothing loaded: same weights, same label.
+    assert rig.actor.engines[0].weight_version == str(held) and not load_failure(rig.actor.engines[0])
+    assert (await _engine_diffs(rig, held, rig.hf))[0] < 1e-4
+
+    # The next (newer) version goes through and clears the failure streak.
+    guard.version = held
+    await asyncio.to_thread(guard.step, _scale, rig.hf, 1.02)
+    assert await pusher.push()
+    assert pusher.failures_in_a_row == 0 and pusher.pushed_version == held + 1
+    assert (await _engine_diffs(rig, held + 1, rig.hf))[0] < 1e-4
+
+
+# --------------------------------------------------------------------------
+# Trainer health (the trainer daemon in this process; no engine)
+
+
+def _trainer_cfg(model_dir, tmp_path, *extra: str):
+    return load_config(None, [
+        f"model.path={model_dir}", 'trainer.device="cpu"', f"run.run_dir={tmp_path / 'run'}",
+        f"trainer.port={free_port()}", "trainer.bind_host=\"127.0.0.1\"", "link.heartbeat_s=0.5",
+        f"trainer.weights.base_port={random.randrange(30000, 60000)}", "actor.scheduler.groups_per_step=2",
+        *extra])
+
+
+def _healthz(port: int) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+async def test_pushes_that_keep_failing_turn_healthz_red(tiny_model_dir, tmp_path):
+    """An actor that registers with one engine but never answers a control
+    request: each push's rendezvous times out, is retried with backoff, and
+    after max_failures /healthz answers 503 with the reason."""
+    from rlnode.link.actor_link import ActorLink
+    from rlnode.ops.http import OpsServer
+    from rlnode.trainer.daemon import TrainerDaemon
+
+    cfg = _trainer_cfg(tiny_model_dir, tmp_path, "trainer.weights.timeout_s=1.5", "trainer.weights.max_failures=2")
+    trainer, http = TrainerDaemon(cfg), free_port()
+    ops = OpsServer([trainer], "127.0.0.1", http)
+    stop, run, hung = asyncio.Event(), None, None
+    try:
+        await trainer.start()
+        await ops.start()
+        run = asyncio.create_task(trainer.run(stop))
+        assert await asyncio.to_thread(_healthz, http) == (200, {"ok": True, "reasons": {}})
+        hung = ActorLink(f"tcp://127.0.0.1:{cfg.trainer.port}", "hung", [(0, 1)], cfg.link)
+        await hung.start()
+        t0 = time.monotonic()
+        while (status := await asyncio.to_thread(_healthz, http))[0] == 200:
+            assert time.monotonic() - t0 < 60, "healthz stayed green"
+            await asyncio.sleep(0.3)
+        code, body = status
+        why = body["reasons"]["trainer"]
+        assert code == 503 and "weight push failed 2 times in a row" in why and "rendezvous failed" in why, body
+        assert trainer.pusher.pushes == 0 and trainer.pusher.failures == 2
+        assert not run.done()  # unhealthy, not dead: systemd's watchdog decides
+    finally:
+        stop.set()
+        if run is not None:
+            await asyncio.gather(run, return_exceptions=True)
+        if hung is not None:
+            await hung.close()
+        await trainer.shutdown()
+        await ops.close()
+
+
+async def test_groups_waiting_without_a_step_turn_health_red(tiny_model_dir, tmp_path):
+    from rlnode.trainer.daemon import TrainerDaemon
+    from rlnode.wire import GroupDelivery
+
+    trainer = TrainerDaemon(_trainer_cfg(tiny_model_dir, tmp_path, "trainer.stall_timeout_s=0.5"))
+    try:
+        await trainer.start()  # the train loop is not running: nothing will step
+        trainer.buffer.put(GroupDelivery("g1", "n", "c", "t", 0, [], []))
+        await asyncio.sleep(0.6)
+        assert trainer.healthy() == (True, "")  # one group waiting: not a batch
+        trainer.buffer.put(GroupDelivery("g2", "n", "c", "t", 0, [], []))
+        ok, why = trainer.healthy()
+        assert not ok and why.startswith("stalled: 2 groups waiting, no optimizer step for "), why
+        await asyncio.to_thread(trainer.pusher.guard.step, lambda: None)  # a step: progress
+        assert trainer.healthy() == (True, "")
+        await asyncio.sleep(0.6)
+        assert not trainer.healthy()[0]
+        trainer.cfg.trainer.stall_timeout_s = 0  # off
+        assert trainer.healthy() == (True, "")
+    finally:
+        await trainer.shutdown()
