@@ -172,3 +172,38 @@ async def test_credits_over_real_links():
         for link in links:
             await link.close()
         await trainer.close()
+
+
+async def test_slow_actor_does_not_starve_a_fast_one():
+    """b came first and took the whole budget; two of its groups run for
+    ever. a joins later and delivers as fast as it can: every credit the
+    trainer frees goes to a (fewest in hand for its demand), b keeps what it
+    holds, and the total never passes the budget."""
+    trainer = TrainerLink(ANY_PORT, FAST, credit_budget=4)
+    await trainer.start()
+    a = ActorLink(trainer.endpoint, "a", [(0, 1)], FAST, credit_want=4)
+    b = ActorLink(trainer.endpoint, "b", [(0, 1)], FAST, credit_want=4)
+    try:
+        await b.start()
+        await until(lambda: b.credits.granted == 4, 5, "b to take the budget")
+        await a.start()
+        assert await a.wait_connected(5)
+        sessions = [await b.credits.acquire() for _ in range(4)]
+        for i in range(2):  # two of b's groups finish and are consumed
+            b.submit(group(f"b-slow-g{i:07d}", "b", sessions[i]))
+        await until(lambda: len(trainer.credits.waiting) == 2, 5, "b's groups")
+        trainer.release_credits(list(trainer.credits.waiting))
+        await until(lambda: a.credits.granted == 2, 5, "the freed credits to go to a")
+        for i in range(10):
+            session = await asyncio.wait_for(a.credits.acquire(), 5)
+            gid = f"a-fast-g{i:07d}"
+            a.submit(group(gid, "a", session))
+            await until(lambda: gid in trainer.credits.waiting, 5, "the group to arrive")
+            trainer.release_credits([gid])  # consumed by a step
+            assert trainer.credits.outstanding() <= 4
+        await until(lambda: a.credits.granted == 12, 5, "a to be refilled")
+        assert b.credits.granted == 4 and trainer.credits.peak <= 4
+    finally:
+        for link in (a, b):
+            await link.close()
+        await trainer.close()
