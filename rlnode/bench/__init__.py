@@ -62,4 +62,13 @@ def run_bench(name: str, cfg: Config, args) -> int:
         else:
             print_table(res)
         return 0
+    if name == "fuzz":
+        from rlnode.bench.fuzz import bench_fuzz, print_table
+
+        res = bench_fuzz(cfg, args.frames, log)
+        if args.json:
+            print(msgspec.json.encode(res).decode())
+        else:
+            print_table(res)
+        return 0 if res["crashes"] == 0 and res["counts_match"] else 1
     raise SystemExit(f"unknown benchmark {name!r}")

@@ -281,19 +281,18 @@ class FuzzRun(msgspec.Struct):
     resent_invalid: list[str]
 
 
-async def fuzz(peer: FuzzPeer, maker: FrameMaker, oracle: Oracle, frames: int, valid_every: int = 10,
-               seed: int = 0, log=lambda msg: None) -> FuzzRun:
-    """Send ``frames`` messages: every ``valid_every``-th a valid group, the
-    rest drawn from ``CATEGORIES`` (inconsistent groups cycle through every
-    rule). Heartbeats go in between (a peer sending only garbage is silent
-    to the trainer's liveness check); they are not counted as frames."""
+def plan_frames(maker: FrameMaker, oracle: Oracle, frames: int, valid_every: int = 10, seed: int = 0,
+                version: int = 0) -> tuple[list[list[bytes]], FuzzRun]:
+    """``frames`` messages, built (and classified by ``oracle``) before any
+    is sent, so sending measures the trainer, not this generator: every
+    ``valid_every``-th a valid group at ``version``, the rest drawn from
+    ``CATEGORIES`` (inconsistent groups cycle through every rule)."""
     rng = random.Random(seed)
     rules = list(V.REASONS) + ["node_id"]
     by_cat: collections.Counter[str] = collections.Counter()
-    valid, resent = [], []
-    t0 = last_hb = time.perf_counter()
+    valid, resent, messages = [], [], []
     for i in range(frames):
-        v = peer.version
+        v = version
         if i % valid_every == 0:
             cat, g = "valid", maker.valid_group(v)
             out = [ENC.encode(g)]
@@ -329,15 +328,34 @@ async def fuzz(peer: FuzzPeer, maker: FrameMaker, oracle: Oracle, frames: int, v
         if cat == "inconsistent" and outcome.startswith("invalid/") and outcome != "invalid/node_id":
             maker.invalid_sent.append(msgspec.msgpack.decode(out[0], type=GroupDelivery).group_id)
         by_cat[cat] += 1
+        messages.append(out)
+    run = FuzzRun(frames, 0.0, dict(by_cat), dict(oracle.counts), valid, list(oracle.accepted), resent)
+    return messages, run
+
+
+async def send_frames(peer: FuzzPeer, messages: list[list[bytes]], log=lambda msg: None) -> float:
+    """Send them all; returns the seconds it took. Heartbeats go in between
+    (a peer sending only garbage is silent to the trainer's liveness
+    check); they are not counted as frames."""
+    t0 = last_hb = time.perf_counter()
+    for i, out in enumerate(messages):
         await peer.send(out)
+        if i % 32 == 0:
+            await asyncio.sleep(0)  # let the trainer's side run when it shares this loop
         if time.perf_counter() - last_hb > 0.3:
             await peer.heartbeat()
             last_hb = time.perf_counter()
-            await asyncio.sleep(0)  # let the trainer's side run when it shares this loop
         if i and i % 1000 == 0:
-            log(f"fuzz: {i}/{frames} frames")
-    return FuzzRun(frames, time.perf_counter() - t0, dict(by_cat), dict(oracle.counts), valid,
-                   list(oracle.accepted), resent)
+            log(f"fuzz: {i}/{len(messages)} frames")
+    return time.perf_counter() - t0
+
+
+async def fuzz(peer: FuzzPeer, maker: FrameMaker, oracle: Oracle, frames: int, valid_every: int = 10,
+               seed: int = 0, log=lambda msg: None) -> FuzzRun:
+    """``plan_frames`` at the peer's current version, then ``send_frames``."""
+    messages, run = plan_frames(maker, oracle, frames, valid_every, seed, peer.version)
+    run.send_s = await send_frames(peer, messages, log)
+    return run
 
 
 def expected_counters(run: FuzzRun) -> dict[str, dict[str, int] | int]:
@@ -356,10 +374,11 @@ def expected_counters(run: FuzzRun) -> dict[str, dict[str, int] | int]:
 # -- the benchmark: a real trainer process ---------------------------------------
 
 
-def _get(url: str) -> dict | None:
+def _trainer_status(url: str) -> dict | None:
+    """The trainer role's ``status()`` from the daemon's /status."""
     try:
         with urllib.request.urlopen(url, timeout=2) as r:
-            return json.loads(r.read())
+            return json.loads(r.read()).get("roles", {}).get("trainer")
     except OSError:
         return None
 
@@ -390,6 +409,7 @@ def bench_fuzz(cfg, frames: int, log) -> dict:
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     limits = GroupLimits.from_config(tcfg, vocab)
     run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "metrics.jsonl").unlink(missing_ok=True)  # the group ids repeat from run to run
     args = [sys.executable, "-m", "rlnode", "--role", "trainer", "--log-json"] + [a for s in sets for a in ("--set", s)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     err_path = run_dir / "trainer.log"
@@ -398,24 +418,25 @@ def bench_fuzz(cfg, frames: int, log) -> dict:
     url = f"http://127.0.0.1:{http_port}/status"
     try:
         deadline = time.monotonic() + 180
-        while (_get(url) or {}).get("link") in (None, {}):
+        while (_trainer_status(url) or {}).get("link") in (None, {}):
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"trainer did not start (exit {proc.poll()}): {err_path}")
             time.sleep(0.5)
         log(f"fuzz: trainer up on port {port}; sending {frames} frames")
-        st0 = _get(url)
+        st0 = _trainer_status(url)
         res = asyncio.run(_bench_send(f"tcp://127.0.0.1:{port}", limits, frames, log))
         run, sent_s = res
+        steps_during = (_trainer_status(url) or {}).get("step", 0) - st0.get("step", 0)
         # Let the trainer answer the last frames and train what it accepted.
         exp = expected_counters(run)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and proc.poll() is None:
-            st = _get(url)
+            st = _trainer_status(url)
             c = (st or {}).get("link", {})
             if c.get("groups_accepted", 0) >= exp["groups_accepted"] and st["buffered_groups"] < 2:
                 break
             time.sleep(0.5)
-        st = _get(url) or {}
+        st = _trainer_status(url) or {}
         alive = proc.poll() is None
     finally:
         if proc.poll() is None:
@@ -436,10 +457,10 @@ def bench_fuzz(cfg, frames: int, log) -> dict:
     c = st.get("link", {})
     rejected = sum(c.get("malformed_by_reason", {}).values()) + sum(c.get("invalid_by_reason", {}).values())
     return {
-        "frames": run.frames, "send_s": round(sent_s, 3), "frames_per_s": round(run.frames / sent_s, 1),
+        "frames": run.frames, "wall_s": round(sent_s, 3), "frames_per_s": round(run.frames / sent_s, 1),
         "rejected": rejected, "rejected_per_s": round(rejected / sent_s, 1),
         "crashes": crashes, "exit_code": proc.returncode, "alive_at_end": alive,
-        "steps": st.get("step", 0) - st0.get("step", 0),
+        "steps": st.get("step", 0) - st0.get("step", 0), "steps_while_fuzzed": steps_during,
         "valid_sent": len(run.valid_sent), "valid_trained": len(trained & set(run.valid_sent)),
         "accepted_expected": exp["groups_accepted"], "accepted": c.get("groups_accepted", 0),
         "duplicates": c.get("duplicates", 0), "duplicates_expected": exp["duplicates"],
@@ -459,8 +480,10 @@ async def _bench_send(endpoint: str, limits: GroupLimits, frames: int, log) -> t
     await peer.start()
     try:
         maker, oracle = FrameMaker(limits, peer.node_id, seed=1), Oracle(peer.node_id, limits)
+        messages, run = plan_frames(maker, oracle, frames, seed=1, version=peer.version)
+        log(f"fuzz: {frames} frames built; sending")
         t0 = time.perf_counter()
-        run = await fuzz(peer, maker, oracle, frames, log=log)
+        run.send_s = await send_frames(peer, messages, log)
         # Sent is not handled: wait for the trainer's answers to the frames
         # (one Reject or Ack each, heartbeats aside) before stopping the clock.
         deadline = time.monotonic() + 60
@@ -475,16 +498,17 @@ async def _bench_send(endpoint: str, limits: GroupLimits, frames: int, log) -> t
 
 
 def print_table(res: dict) -> None:
-    print(f"fuzz: {res['frames']} frames at a live trainer in {res['send_s']:.2f} s "
+    print(f"fuzz: {res['frames']} frames at a live trainer in {res['wall_s']:.2f} s "
           f"({res['frames_per_s']:.0f} frames/s sent and answered)")
     print(f"  rejected {res['rejected']} ({res['rejected_per_s']:.0f}/s), accepted {res['accepted']} "
           f"(expected {res['accepted_expected']}), duplicates {res['duplicates']} "
           f"(expected {res['duplicates_expected']})")
-    print(f"  crashes {res['crashes']}  handler errors {res['handler_errors']}  steps trained {res['steps']}  "
+    print(f"  crashes {res['crashes']}  handler errors {res['handler_errors']}  steps trained {res['steps']} "
+          f"({res['steps_while_fuzzed']} while the frames came in)  "
           f"valid groups trained {res['valid_trained']}/{res['valid_sent']}  counts match: {res['counts_match']}")
-    print(f"\n  {'reason':<28} {'trainer':>8} {'expected':>9}")
+    print(f"\n  {'reason':<34} {'trainer':>8} {'expected':>9}")
     for kind in ("malformed", "invalid"):
         got, exp = res[f"{kind}_by_reason"], res[f"{kind}_expected"]
         for reason in sorted(set(got) | set(exp)):
-            print(f"  {kind + '/' + reason:<28} {got.get(reason, 0):>8} {exp.get(reason, 0):>9}")
+            print(f"  {kind + '/' + reason:<34} {got.get(reason, 0):>8} {exp.get(reason, 0):>9}")
     print("\n  frames by category: " + ", ".join(f"{k}={v}" for k, v in sorted(res["by_category"].items())))
