@@ -18,7 +18,6 @@ with ``log_softmax(logits / T)`` (exactly, when top_p = 1 and top_k = -1).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import os
 import time
@@ -26,6 +25,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from rlnode.actor import engine_guard
 from rlnode.config import EngineConfig, ModelConfig
 from rlnode.log import get_logger
 
@@ -160,15 +160,24 @@ class Engine:
         # (10-30 s): keep that off the event loop.
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        # The engine's processes watch this one and end themselves when it is
+        # gone, however it went (kill -9 included): engine_guard.py.
+        engine_guard.mark_owner()
+        before = engine_guard.spawned_children()
         building = asyncio.get_running_loop().run_in_executor(None, AsyncLLM.from_engine_args, args)
         try:
             self.llm = await asyncio.shield(building)
         except asyncio.CancelledError:
-            # The constructor cannot be interrupted: let it finish, then shut
-            # down what it built, so no engine process outlives a stop.
-            with contextlib.suppress(Exception):
-                llm = await building
-                await asyncio.to_thread(llm.shutdown)
+            # The constructor cannot be interrupted, but the processes it
+            # spawned can: without its engine core it fails within a second
+            # (vLLM watches the core during the handshake), instead of
+            # finishing a 10-30 s start only to be shut down; the core's
+            # workers follow their parent (engine_guard). Whatever it did
+            # build is shut down, in a task of its own so that a second
+            # cancellation cannot skip that.
+            killed = engine_guard.kill_children_since(before)
+            log.info("engine.start_cancelled", engine=self.engine_id, killed=killed)
+            await asyncio.shield(asyncio.ensure_future(self._discard(building)))
             raise
         log.info("engine.started", engine=self.engine_id, device=self.device,
                  model=self.model_cfg.path, start_s=round(time.monotonic() - t0, 2))
@@ -247,6 +256,20 @@ class Engine:
         if self.llm is None:
             return
         llm, self.llm = self.llm, None
+        await self._close(llm)
+
+    async def _discard(self, building: asyncio.Future) -> None:
+        """Shut down an engine whose start was cancelled, once it is built."""
+        try:
+            llm = await building
+        except Exception as e:
+            # Expected once its engine core was killed; vLLM's client tears
+            # down the processes of a failed build itself.
+            log.info("engine.start_abandoned", engine=self.engine_id, error=repr(e)[:200])
+            return
+        await self._close(llm)
+
+    async def _close(self, llm: AsyncLLM) -> None:
         # Stop reading outputs first: otherwise the reader sees the core go
         # away and logs a spurious EngineDeadError.
         handler = getattr(llm, "output_handler", None)
@@ -255,8 +278,11 @@ class Engine:
             await asyncio.gather(handler, return_exceptions=True)
             llm.output_handler = None
         t0 = time.monotonic()
-        await asyncio.to_thread(llm.shutdown, self.SHUTDOWN_TIMEOUT_S)
-        # AsyncLLM.__del__ calls shutdown() again, at interpreter exit when
-        # module globals are gone, and prints a TypeError. It is done already.
-        llm.shutdown = lambda timeout=None: None
+        try:
+            await asyncio.to_thread(llm.shutdown, self.SHUTDOWN_TIMEOUT_S)
+        finally:
+            # AsyncLLM.__del__ calls shutdown() again, at interpreter exit when
+            # module globals are gone, and prints a TypeError. It is done (or
+            # has failed, and the engine guard ends the processes with us).
+            llm.shutdown = lambda timeout=None: None
         log.info("engine.stopped", engine=self.engine_id, shutdown_s=round(time.monotonic() - t0, 2))

@@ -1,0 +1,137 @@
+"""No engine outlives its daemon: an actor daemon (its own process session)
+is killed -9 once its engine serves, and stopped by SIGTERM while its engine
+is still starting; both times every process of its session (vLLM's engine
+core and worker, multiprocessing's resource tracker) must be gone within
+seconds, and the shared memory they mapped with them."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from daemons import ROOT, Daemon, free_port
+
+pytestmark = pytest.mark.engine
+
+# The daemon is gone: every process of its session must follow within this.
+EXIT_DEADLINE_S = 30.0
+# A stop requested while the engine starts: the daemon is gone within this.
+STOP_DEADLINE_S = 15.0
+
+
+def actor_args(model_dir, run_dir, http_port: int) -> list[str]:
+    """An actor with a cube and no trainer: the engine starts, episodes wait."""
+    return ["--role", "actor", "--config", str(ROOT / "conf/demo.toml"),
+            "--set", f"model.path={model_dir}", "--set", f"run.run_dir={run_dir}",
+            "--set", "run.progress=false", "--set", f"http.actor_port={http_port}"]
+
+
+def _stat(pid: int) -> list[str] | None:
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # Fields after comm (which may hold spaces): state is [0], session id [3].
+    return raw[raw.rindex(")") + 2 :].split()
+
+
+def session_pids(sid: int) -> dict[int, str]:
+    """Live (not zombie) processes of session ``sid``: pid -> name."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (st := _stat(int(entry))) and st[0] != "Z" and int(st[3]) == sid:
+            try:
+                out[int(entry)] = Path(f"/proc/{entry}/comm").read_text().strip()
+            except OSError:
+                pass
+    return out
+
+
+def shm_files(pids) -> set[str]:
+    """/dev/shm files mapped by ``pids`` (vLLM's message queues)."""
+    files = set()
+    for pid in pids:
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+        except OSError:
+            continue
+        files |= {line.split(None, 5)[5].removesuffix(" (deleted)")
+                  for line in maps.splitlines() if "/dev/shm/" in line and len(line.split(None, 5)) == 6}
+    return files
+
+
+def wait_for(pred, timeout: float, poll: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := pred():
+            return value
+        time.sleep(poll)
+    return pred()
+
+
+def wait_session_gone(sid: int, timeout: float) -> tuple[float, dict[int, str]]:
+    t0 = time.monotonic()
+    wait_for(lambda: not session_pids(sid), timeout)
+    return time.monotonic() - t0, session_pids(sid)
+
+
+def cleanup(d: Daemon, shm: set[str]) -> None:
+    d.kill()  # SIGKILL to the whole process group, then reap the daemon
+    for f in shm:
+        Path(f).unlink(missing_ok=True)
+
+
+def has_engine_core(sid: int) -> bool:
+    return any("EngineCor" in name for name in session_pids(sid).values())
+
+
+def test_kill9_daemon_takes_its_engine_processes(tiny_model_dir, tmp_path):
+    port = free_port()
+    d = Daemon("actor", actor_args(tiny_model_dir, tmp_path / "run", port), tmp_path, port)
+    sid, shm = d.proc.pid, set()
+    try:
+        wait_for(lambda: d.events("engine.started") or d.proc.poll() is not None, 180, poll=0.5)
+        assert d.events("engine.started"), d.log_path.read_text()[-3000:]
+        procs = session_pids(sid)
+        assert any("EngineCor" in n for n in procs.values()), procs  # the engine runs in its own processes
+        shm = shm_files(procs)
+
+        d.proc.kill()  # kill -9: no shutdown code runs in the daemon
+        d.proc.wait()
+        took, left = wait_session_gone(sid, EXIT_DEADLINE_S)
+        assert not left, f"still alive {EXIT_DEADLINE_S:.0f} s after kill -9 of the daemon: {left}"
+        assert wait_for(lambda: not any(os.path.exists(f) for f in shm), 5), \
+            f"shared memory left behind: {[f for f in shm if os.path.exists(f)]}"
+        print(f"engine processes gone {took:.1f} s after kill -9 of the daemon")
+    finally:
+        cleanup(d, shm)
+
+
+def test_sigterm_during_engine_start(tiny_model_dir, tmp_path):
+    port = free_port()
+    d = Daemon("actor", actor_args(tiny_model_dir, tmp_path / "run", port), tmp_path, port)
+    sid, shm = d.proc.pid, set()
+    try:
+        # The engine core process exists, the engine has not started yet.
+        assert wait_for(lambda: has_engine_core(sid) or d.proc.poll() is not None, 120) and d.proc.poll() is None, \
+            d.log_path.read_text()[-3000:]
+        assert not d.events("engine.started")
+        shm = shm_files(session_pids(sid))
+        t0 = time.monotonic()
+        d.proc.send_signal(signal.SIGTERM)
+        code = d.proc.wait(120)
+        stop_s = time.monotonic() - t0
+        assert code == 0, d.log_path.read_text()[-3000:]
+        # Without waiting for the engine start to finish (10-30 s here).
+        assert stop_s < STOP_DEADLINE_S, f"the daemon took {stop_s:.1f} s to stop during its engine start"
+        took, left = wait_session_gone(sid, EXIT_DEADLINE_S)
+        assert not left, f"still alive {EXIT_DEADLINE_S:.0f} s after the daemon stopped: {left}"
+        assert wait_for(lambda: not any(os.path.exists(f) for f in shm), 5), \
+            f"shared memory left behind: {[f for f in shm if os.path.exists(f)]}"
+        print(f"daemon stopped {stop_s:.1f} s after SIGTERM, its session empty {took:.1f} s later")
+    finally:
+        cleanup(d, shm)
