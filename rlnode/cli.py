@@ -16,7 +16,7 @@ import sys
 from rlnode import __version__
 
 ROLES = ("trainer", "actor", "all")
-BENCHES = ("router", "transport", "weights", "async")
+BENCHES = ("router", "transport", "weights", "async", "fuzz")
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -85,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="router: AdmissionRouter+Engine vs direct AsyncLLM vs vllm serve; "
                        "transport: ZeroMQ link with acks vs a JSONL file stream; "
                        "weights: one in-flight weight update vs a bare gloo broadcast; "
-                       "async: wall time to N optimizer steps, pipelined vs sync")
+                       "async: wall time to N optimizer steps, pipelined vs sync; "
+                       "fuzz: hostile frames at a live trainer (rejected/s, crashes, steps trained)")
     _add_config_args(bench)
     bench.add_argument("--model", metavar="PATH", help="model directory (overrides model.path)")
     bench.add_argument("--concurrency", type=int, default=32, help="concurrent requests (default 32)")
@@ -94,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--rounds", type=int, default=5, help="timed rounds per mode (default 5)")
     bench.add_argument("--samples", type=int, default=2000, help="transport: samples to send (default 2000)")
     bench.add_argument("--steps", type=int, default=10, help="async: optimizer steps per mode (default 10)")
+    bench.add_argument("--frames", type=int, default=5000, help="fuzz: frames to send (default 5000)")
     bench.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     return p
 

@@ -112,11 +112,14 @@ def test_three_actors_sync_failing_tasks(tiny_model_dir, tmp_path):
               for n in ("a", "b", "c")]
     daemons = [trainer, *actors]
     try:
-        trainer.wait(lambda st: trainer_version(st) >= 6, 500, "6 sync steps with failing tasks")
+        v_end = trainer.wait(lambda st: trainer_version(st) >= 6 and trainer_version(st), 500,
+                             "6 sync steps with failing tasks")
         assert sum(dropped_groups(a) for a in actors) > 0
     finally:
         codes = {d.name: d.terminate() for d in reversed(daemons) if d.proc.poll() is None}
     assert all(c == 0 for c in codes.values()), codes
     steps = steps_of(tmp_path / "run")
     check_budget(steps, max_lag=0)
-    assert all(r["dropped_stale"] == 0 for r in steps)  # nothing generated on old weights
+    # Nothing was generated on old weights (until the shutdown below began:
+    # an actor stopping mid-push makes the next groups start on old ones).
+    assert all(r["dropped_stale"] == 0 for r in steps if r["version"] <= v_end)

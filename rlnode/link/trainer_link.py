@@ -4,7 +4,7 @@ Owns the ROUTER socket, the ZAP authenticator (when ``curve_dir`` is set),
 the peer table, the ids of groups this trainer holds or has consumed, and
 the link counters. Must not touch the training buffer, the optimizer or
 checkpoints: accepted groups leave through ``deliveries``, and the daemon
-reports back with ``mark_consumed`` and persists ``consumed_ids()``.
+reports back with ``mark_consumed`` and persists ``consumed_state()``.
 """
 
 from __future__ import annotations
@@ -23,13 +23,16 @@ from zmq.auth.asyncio import AsyncioAuthenticator
 
 from rlnode.config import LinkConfig
 from rlnode.link import DEFAULT_MAX_FRAME_BYTES, LinkError, PeerGone, curve, send_nowait
+from rlnode.link.validate import GroupLimits, validate_group
 from rlnode.log import get_logger
 from rlnode.wire import (
     PROTOCOL_VERSION, REJECT_BUSY, REJECT_IDENTITY, REJECT_INVALID_GROUP, REJECT_MALFORMED,
     REJECT_PROTOCOL, REJECT_REGISTER_FIRST, REJECT_UNKNOWN_GROUP, Ack, Commit, CommitQuery,
-    ControlReply, ControlRequest, ControlValue, EngineInfo, EvalReport, GroupDelivery, Heartbeat, Register,
-    Reject, ToActor, ToTrainer, VersionUpdate, Welcome,
+    ControlReply, ControlRequest, ControlValue, CreditGrant, CreditReport, EngineInfo, EvalReport, GroupDelivery,
+    Heartbeat, Register, Reject, ToActor, ToTrainer, VersionUpdate, Welcome,
 )
+from rlnode.link.consumed import ConsumedIds
+from rlnode.link.credits import CreditLedger
 
 log = get_logger("rlnode.link.trainer")
 
@@ -76,22 +79,8 @@ class TrainerLinkCounters(msgspec.Struct):
     peers_joined: int = 0
     peers_left: int = 0
     malformed_by_reason: dict[str, int] = {}
-
-
-def check_group(g: GroupDelivery) -> str | None:
-    """Content checks msgspec's types cannot express; None = consistent.
-    A failing group can never become valid, so it is rejected, not retried."""
-    if not g.group_id or not g.samples:
-        return "empty group id or no samples"
-    for s in g.samples:
-        if s.group_id != g.group_id:
-            return f"sample {s.sample_id!r} belongs to group {s.group_id!r}"
-        n, rem = divmod(len(s.completion_ids), 4)
-        if rem or len(s.prompt_ids) % 4:
-            return f"sample {s.sample_id!r}: token arrays are not int32"
-        if len(s.logprobs) != 4 * n or len(s.loss_mask) != n:
-            return f"sample {s.sample_id!r}: logprobs/mask length != {n} completion tokens"
-    return None
+    invalid_by_reason: dict[str, int] = {}  # rlnode.link.validate reason names, and "node_id"
+    handler_errors: int = 0  # a message handler raised (a trainer bug): contained, counted, logged
 
 
 class TrainerLink:
@@ -99,7 +88,7 @@ class TrainerLink:
 
     Guarantees:
     * A group reaches ``deliveries`` at most once per group id, across
-      trainer restarts too as long as the daemon persists ``consumed_ids()``
+      trainer restarts too as long as the daemon persists ``consumed_state()``
       and restores them with ``load_consumed`` (ids still only buffered at a
       crash are resent by their actor, which keeps them until ``Commit``).
     * Every delivery is answered: ``Ack`` once it is in ``deliveries`` (or
@@ -121,6 +110,12 @@ class TrainerLink:
     * Liveness: heartbeats every ``heartbeat_s`` to each connected peer; a
       peer silent for ``peer_timeout_s`` is marked gone (``PeerEvent`` "left")
       and must register again before it may deliver.
+    * Flow control: the link owns the trainer's ``CreditLedger``
+      (``rlnode.link.credits`` states the protocol). Actors start a group
+      only with a credit; at most ``credit_budget`` groups are outstanding
+      (granted and not delivered or returned, or delivered and not yet
+      ``release``d by the daemon). Grants go out when credits free up and
+      are repeated with every heartbeat.
 
     Usage: ``await start()``; read ``deliveries`` (``(peer_id, GroupDelivery)``),
     ``events`` (``PeerEvent``) and ``evals`` (``(peer_id, EvalReport)``), or
@@ -130,23 +125,30 @@ class TrainerLink:
 
     def __init__(self, bind: str, link: LinkConfig | None = None, *, version: int = 0,
                  incarnation: str | None = None, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
-                 max_buffered_groups: int = 0, sndhwm: int = 1024, rcvhwm: int = 256):
+                 max_buffered_groups: int = 0, sndhwm: int = 1024, rcvhwm: int = 256,
+                 credit_budget: int | None = None, limits: GroupLimits | None = None):
         self.bind = bind
         self.link = link or LinkConfig()
         self.incarnation = incarnation or secrets.token_hex(8)
         self.version = version
         self.max_frame_bytes = max_frame_bytes
         self.max_buffered_groups = max_buffered_groups  # 0 = unbounded
+        # What a delivered group may contain (rlnode.link.validate); None =
+        # only the checks that need no model or config (bare links in tests).
+        self.limits = limits
         self._hwm = (sndhwm, rcvhwm)
         self.endpoint = ""  # the bound address (resolved port), set by start()
         self.counters = TrainerLinkCounters()
+        # None = no global limit (bare links in tools and tests); the trainer
+        # daemon passes (max_lag + 1) * groups_per_step.
+        self.credits = CreditLedger(self.incarnation, credit_budget)
         self.deliveries: asyncio.Queue[tuple[str, GroupDelivery] | LinkError] = asyncio.Queue()
         self.events: asyncio.Queue[PeerEvent] = asyncio.Queue()
         self.evals: asyncio.Queue[tuple[str, EvalReport]] = asyncio.Queue()
         self._peers: dict[str, PeerInfo] = {}
         self._seen: dict[str, float] = {}  # peer_id -> monotonic time of its last valid frame
         self._buffered: dict[str, str] = {}  # accepted, not yet consumed: group id -> peer_id
-        self._consumed: set[str] = set()
+        self._consumed = ConsumedIds()  # compacted per actor incarnation
         self._requests: dict[int, tuple[str, asyncio.Future]] = {}
         self._request_ids = itertools.count(1)
         self._decoder = msgspec.msgpack.Decoder(ToTrainer)
@@ -246,17 +248,36 @@ class TrainerLink:
             if p is not None and p.connected and self._send(peer_id, Commit(gids)):
                 self.counters.commits_sent += len(gids)
 
-    def consumed_ids(self) -> list[str]:
-        """Every group id consumed by this run: persist it with checkpoints."""
-        return list(self._consumed)
+    def consumed_state(self, extra: Iterable[str] = ()) -> dict:
+        """Every group id consumed by this run (plus ``extra``), compacted
+        (``rlnode.link.consumed``): persist it with checkpoints."""
+        return self._consumed.to_state(extra)
 
-    def load_consumed(self, group_ids: Iterable[str]) -> None:
-        """Restore consumed ids from a checkpoint: resends of them are
-        dropped as duplicates (and committed)."""
-        self._consumed.update(group_ids)
+    def load_consumed(self, state: dict | list, extra: Iterable[str] = ()) -> None:
+        """Restore consumed ids from a checkpoint (``consumed_state()``, or
+        the plain id list older checkpoints hold) plus ``extra`` ids:
+        resends of them are dropped as duplicates (and committed)."""
+        self._consumed = ConsumedIds.from_state(state)
+        self._consumed.update(extra)
+
+    def is_consumed(self, group_id: str) -> bool:
+        return group_id in self._consumed
 
     def buffered_ids(self) -> list[str]:
         return list(self._buffered)
+
+    def hold_credits(self, group_ids: Iterable[str]) -> None:
+        """Groups the trainer holds that did not arrive through this link
+        (restored from a checkpoint): they count against the credit budget
+        until released."""
+        self.credits.hold(group_ids)
+
+    def release_credits(self, group_ids: Iterable[str]) -> None:
+        """These groups left the trainer's buffer for good (a step consumed
+        them and its weights are out, or they were dropped): their credits
+        are free again and go to the actors that want them."""
+        self.credits.release(group_ids)
+        self._grant()
 
     def set_version(self, version: int) -> None:
         """The policy version moved: tell every connected actor."""
@@ -285,9 +306,16 @@ class TrainerLink:
 
     async def _read_loop(self) -> None:
         try:
-            while True:
+            for n in itertools.count(1):
                 frames = await self._sock.recv_multipart(copy=False)
-                self._on_frames(frames)
+                try:
+                    self._on_frames(frames)
+                except Exception as e:  # a bug in a handler: contained, so no peer can kill the reader
+                    self._handler_failed(frames, e)
+                if n % 64 == 0:
+                    # A recv with a backlog completes without yielding: a peer's
+                    # flood must not starve the train loop and heartbeats.
+                    await asyncio.sleep(0)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # a bug or a dead context: the consumer must hear of it
@@ -307,6 +335,8 @@ class TrainerLink:
             msg = self._decoder.decode(body.buffer)
         except msgspec.DecodeError as e:  # ValidationError included: wrong types, unknown tag
             return self._malformed(peer_id, "decode", str(e))
+        except Exception as e:  # msgspec raises others too (invalid UTF-8 in a str: UnicodeDecodeError)
+            return self._malformed(peer_id, "decode", f"{type(e).__name__}: {e}")
         peer = self._peers.get(peer_id)
         if isinstance(msg, Register):
             return self._on_register(peer_id, msg, _user_id(body))
@@ -327,6 +357,10 @@ class TrainerLink:
             case EvalReport():
                 self.counters.eval_reports += 1
                 self.evals.put_nowait((peer_id, msg))
+            case CreditReport():
+                if self.credits.on_report(peer_id, msg):
+                    self._settle(peer, msg)
+                    self._grant()
 
     def _malformed(self, peer_id: str, reason: str, detail: str) -> None:
         c = self.counters
@@ -359,6 +393,7 @@ class TrainerLink:
                 self._leave(other, "replaced")
             del self._peers[other.peer_id]
             self._seen.pop(other.peer_id, None)
+            self.credits.forget(other.peer_id)  # its credits died with that process
         peer = PeerInfo(peer_id, msg.node_id, msg.incarnation, msg.engines, time.time(),
                         old.version if old else 0, True, old.stats if old else {},
                         old.groups if old else 0, user_id)
@@ -366,6 +401,7 @@ class TrainerLink:
         self._seen[peer_id] = time.monotonic()
         self.counters.registrations += 1
         self._send(peer_id, Welcome(self.incarnation, self.version))
+        self.credits.peer_joined(peer_id)  # zero credits until it reports what it wants
         if old is None or not old.connected:
             self.counters.peers_joined += 1
             self.events.put_nowait(PeerEvent("joined", peer_id, msg.node_id, msg.incarnation))
@@ -375,28 +411,65 @@ class TrainerLink:
     def _on_group(self, peer: PeerInfo, g: GroupDelivery) -> None:
         c, gid = self.counters, g.group_id
         if g.node_id != peer.node_id:
+            # Not marked consumed: the id may be another node's real group.
             c.invalid_groups += 1
+            c.invalid_by_reason["node_id"] = c.invalid_by_reason.get("node_id", 0) + 1
             return self._unexpected(peer.peer_id, REJECT_INVALID_GROUP, f"node_id {g.node_id!r}", [gid])
         if gid in self._consumed or gid in self._buffered:
             self._on_duplicate(peer, gid)
             return
-        problem = check_group(g)
+        problem = validate_group(g, self.limits, self.version)
         if problem is not None:
-            c.invalid_groups += 1
-            log.warning("link.trainer.invalid_group", peer=peer.peer_id, group=gid, problem=problem)
-            self._send(peer.peer_id, Reject(REJECT_INVALID_GROUP, problem, [gid]))
+            self.credits.on_delivered(peer.peer_id, g.credit_session, gid, accepted=False)
+            self._invalid(peer.peer_id, gid, *problem)
             return
         if self.max_buffered_groups and len(self._buffered) >= self.max_buffered_groups:
             c.busy_rejects += 1
             self._send(peer.peer_id, Reject(REJECT_BUSY, f"{len(self._buffered)} groups buffered", [gid]))
             return
         self._buffered[gid] = peer.peer_id
+        self.credits.on_delivered(peer.peer_id, g.credit_session, gid, accepted=True)
         c.groups_accepted += 1
         c.samples_accepted += len(g.samples)
         peer.groups += 1
         self.deliveries.put_nowait((peer.peer_id, g))
         if self._send(peer.peer_id, Ack([gid])):
             c.acks_sent += 1
+
+    def _invalid(self, peer_id: str, gid: str, reason: str, detail: str) -> None:
+        """Reject a group for good: counted by reason and remembered as
+        consumed, so a resend is acked as a duplicate and committed, never
+        retried (it could never become valid)."""
+        c = self.counters
+        c.invalid_groups += 1
+        c.invalid_by_reason[reason] = c.invalid_by_reason.get(reason, 0) + 1
+        if gid:  # bounded memory: a hostile peer may send endless fresh ids
+            self._consumed.add_loose(gid)
+        if c.invalid_groups <= 10 or c.invalid_groups % 1000 == 0:
+            log.warning("link.trainer.invalid_group", peer=peer_id, group=gid, reason=reason, detail=detail[:200],
+                        total=c.invalid_groups)
+        self._send(peer_id, Reject(REJECT_INVALID_GROUP, f"{reason}: {detail[:200]}", [gid]))
+
+    def _handler_failed(self, frames: list[zmq.Frame], e: Exception) -> None:
+        """A handler raised: a trainer bug, but one a peer may trigger at
+        will, so it must not kill the reader. Counted and logged; a group
+        that triggers it is rejected for good (a resend would hit it again)."""
+        c = self.counters
+        c.handler_errors += 1
+        if c.handler_errors <= 10 or c.handler_errors % 1000 == 0:
+            log.error("link.trainer.handler_failed", error=repr(e)[:300], total=c.handler_errors, exc_info=e)
+        try:
+            peer_id = frames[0].bytes.decode("utf-8", "replace")
+            msg = self._decoder.decode(frames[1].buffer)
+            gid = msg.group_id if isinstance(msg, GroupDelivery) else ""
+            if gid and gid in self._consumed:  # its resend: commit it, so the actor stops sending it
+                self._send(peer_id, Commit([gid]))
+            elif gid and gid not in self._buffered:
+                self._invalid(peer_id, gid, "handler_error", repr(e))
+            else:
+                self._send(peer_id, Reject(REJECT_MALFORMED, f"handler_error: {e!r}"[:200]))
+        except Exception:  # the frame that broke a handler may break this too: counted above
+            pass
 
     def _on_duplicate(self, peer: PeerInfo, gid: str) -> None:
         c = self.counters
@@ -420,6 +493,13 @@ class TrainerLink:
             self.counters.commits_sent += len(consumed)
         if unknown:
             self._unexpected(peer.peer_id, REJECT_UNKNOWN_GROUP, f"{len(unknown)} ids", unknown)
+
+    def _settle(self, peer: PeerInfo, r: CreditReport) -> None:
+        """The actor holds no group below ``settled_below`` any more: the
+        consumed-id memory for its incarnation can be compacted up to there.
+        Only for its own ids (the prefix names its node and incarnation)."""
+        if r.id_prefix and r.settled_below > 0 and r.id_prefix.startswith(f"{peer.node_id}-{peer.incarnation}-"):
+            self._consumed.settle(r.id_prefix, r.settled_below)
 
     def _on_reply(self, peer: PeerInfo, r: ControlReply) -> None:
         pending = self._requests.get(r.request_id)
@@ -459,14 +539,19 @@ class TrainerLink:
                 if now - self._seen.get(p.peer_id, now) > self.link.peer_timeout_s:
                     self._leave(p, "timeout")
             stats = {"buffered": float(len(self._buffered)), "consumed": float(len(self._consumed))}
+            self._grant()
             for p in self._connected():
                 self._send(p.peer_id, Heartbeat("trainer", self.version, stats))
+                pc = self.credits.peers.get(p.peer_id)
+                if pc is not None and pc.granted:  # heals a lost grant
+                    self._send(p.peer_id, CreditGrant(self.incarnation, pc.granted))
 
     def _connected(self) -> list[PeerInfo]:
         return [p for p in self._peers.values() if p.connected]
 
     def _leave(self, peer: PeerInfo, reason: str) -> None:
         peer.connected = False
+        self.credits.peer_left(peer.peer_id)
         self.counters.peers_left += 1
         self.events.put_nowait(PeerEvent("left", peer.peer_id, peer.node_id, peer.incarnation, reason))
         log.info("link.peer.left", peer=peer.peer_id, reason=reason)
@@ -475,6 +560,11 @@ class TrainerLink:
                 fut.set_exception(PeerGone(f"peer {pid!r} left ({reason})"))
 
     # ---- sending ---------------------------------------------------------
+
+    def _grant(self) -> None:
+        for pc in self.credits.grant():
+            if pc.peer_id in self._peers and self._peers[pc.peer_id].connected:
+                self._send(pc.peer_id, CreditGrant(self.incarnation, pc.granted))
 
     def _send(self, peer_id: str, msg: ToActor) -> bool:
         if self._sock is None:
