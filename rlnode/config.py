@@ -83,8 +83,9 @@ class SamplingConfig(_Section):
     # Sampling temperature. The engine reports logprobs of the distribution
     # it sampled from (logits / temperature), which the trainer must match.
     temperature: PositiveFloat = 1.0
-    # Nucleus sampling; 1.0 = off. Anything else makes the sampled
-    # distribution differ from softmax(logits / T), breaking logprob parity.
+    # Nucleus sampling: must stay 1.0 (checked at load). Anything else makes
+    # the sampled distribution differ from softmax(logits / T), which the
+    # trainer scores: the importance ratios would be biased.
     top_p: Fraction = 1.0
     # Max completion tokens per LLM call.
     max_tokens: PositiveInt = 64
@@ -119,10 +120,16 @@ class SchedulerConfig(_Section):
     groups_per_step: PositiveInt = 8
     # Staleness budget in versions: a group started at version v is meant to
     # be trained by version v + max_lag, so at most
-    # (version + max_lag + 1) * groups_per_step groups are ever started.
+    # (version + max_lag + 1) * groups_per_step groups are ever started,
+    # net of dropped ones, over all actors. The trainer enforces it with
+    # credits (rlnode/link/credits.py); trainer.sync means max_lag = 0.
     max_lag: NonNegInt = 1
     # Episodes in flight on this node (train + eval).
     max_concurrent_episodes: PositiveInt = 256
+    # Groups this node asks the trainer credits for, i.e. can run at once;
+    # the trainer shares the global budget among actors by this demand.
+    # 0 = ceil(max_concurrent_episodes / attempts).
+    max_groups_in_flight: NonNegInt = 0
     # Retries of a failed episode (cube or engine error) before it counts as
     # failed, which drops its group.
     max_retries: NonNegInt = 2
@@ -221,6 +228,10 @@ class WeightSyncConfig(_Section):
     # Rendezvous and per-collective timeout (s): how long a dead actor can
     # stall a weight push before the epoch is abandoned and re-formed.
     timeout_s: PositiveFloat = 120.0
+    # Failed pushes in a row (each retried after a backoff of 1 s, doubling
+    # up to 60 s) after which the trainer's /healthz answers 503 and systemd's
+    # watchdog restarts it; a successful push resets the count. >= 1.
+    max_failures: PositiveInt = 5
 
 
 class LinkConfig(_Section):
@@ -266,6 +277,11 @@ class TrainerConfig(_Section):
     checkpoint_every: NonNegInt = 50
     # Checkpoints kept in run_dir/checkpoints (oldest removed first).
     keep_checkpoints: PositiveInt = 2
+    # Seconds a batch's worth of groups may wait with no optimizer step
+    # starting or ending before the trainer's /healthz answers 503 (the loop
+    # is stuck: a push, a checkpoint, a hung device). >= 0; 0 = off. Keep it
+    # above the slowest step plus push (weights.timeout_s bounds a push).
+    stall_timeout_s: Annotated[float, Meta(ge=0)] = 600.0
     loss: LossConfig = field(default_factory=LossConfig)
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -410,6 +426,15 @@ def _check_cross_field(cfg: Config) -> None:
     eng = cfg.actor.engine
     if eng.device == "cpu" and eng.tensor_parallel_size != 1:
         raise ConfigError("actor.engine.tensor_parallel_size: must be 1 when actor.engine.device = \"cpu\"")
+    if cfg.actor.sampling.top_p < 1.0:
+        # The trainer scores tokens with the full softmax at logits / T; a
+        # truncated sampling distribution would make every importance ratio
+        # exp(logpi - logmu) wrong (biased), silently.
+        raise ConfigError(
+            f"actor.sampling.top_p: must be 1.0 for training (got {cfg.actor.sampling.top_p}); "
+            "the trainer scores tokens under the untruncated distribution at logits / temperature, "
+            "so top-p sampling would bias the importance ratios. Lower the temperature instead"
+        )
     if cfg.actor.sampling.max_tokens >= cfg.model.max_model_len:
         raise ConfigError(
             "actor.sampling.max_tokens: must be < model.max_model_len "
@@ -439,6 +464,12 @@ def _check_cubes(cubes: list[CubeConfig]) -> None:
             raise ConfigError(f"{key}.options: {e}") from None
     if cubes and not any(c.weight > 0 for c in cubes):
         raise ConfigError("actor.cubes: at least one cube needs weight > 0 to train on")
+
+
+def groups_in_flight(cfg: Config) -> int:
+    """How many groups an actor asks credits for (``max_groups_in_flight``)."""
+    s = cfg.actor.scheduler
+    return s.max_groups_in_flight or max(1, -(-s.max_concurrent_episodes // s.attempts))
 
 
 def effective_max_lag(cfg: Config) -> int:

@@ -20,6 +20,7 @@ already trained is dropped as a duplicate).
 from __future__ import annotations
 
 import asyncio
+import collections
 import statistics
 import time
 from pathlib import Path
@@ -27,11 +28,14 @@ from pathlib import Path
 import msgspec
 
 from rlnode.config import Config, effective_max_lag
-from rlnode.daemon import run_until_stopped, spawn
+from rlnode.daemon import run_until_stopped
 from rlnode.log import get_logger, set_version
 from rlnode.trainer.buffer import GroupBuffer
 
 log = get_logger("rlnode.trainer")
+
+HISTORY_STEPS = 2000  # step records kept in memory (the live page's window)
+HISTORY_EVALS = 2000  # eval records kept in memory (cube x version)
 
 
 class TrainerDaemon:
@@ -52,44 +56,57 @@ class TrainerDaemon:
         self.pending_commit: list[str] = []  # consumed since the last checkpoint
         self.last_checkpoint_step = 0
         self.last_metrics: dict = {}
-        self.eval_history: list[dict] = []
-        self.step_history: list[dict] = []
-        self._background: set[asyncio.Task] = set()  # weight pushes for joining actors
+        # What the live page and the final table show; metrics.jsonl has
+        # everything. Bounded so a long run's memory does not grow with it.
+        self.eval_history: collections.deque[dict] = collections.deque(maxlen=HISTORY_EVALS)
+        self.step_history: collections.deque[dict] = collections.deque(maxlen=HISTORY_STEPS)
+        # Groups admitted and not yet consumed, over all actors: the link's
+        # credits enforce it (rlnode/link/credits.py).
+        self.credit_budget = (effective_max_lag(cfg) + 1) * cfg.actor.scheduler.groups_per_step
 
     # -- startup -----------------------------------------------------------------
 
     async def start(self) -> None:
         from rlnode.link.trainer_link import TrainerLink
+        from rlnode.link.validate import GroupLimits
         from rlnode.trainer.checkpoint import CheckpointManager, MetricsWriter
         from rlnode.trainer.learner import Learner
         from rlnode.trainer.sync import WeightPusher
-        from rlnode.trainer.weights import WeightBroadcaster
+        from rlnode.trainer.weights import WeightBroadcaster, WeightGuard
 
         t = self.cfg.trainer
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.learner = await asyncio.to_thread(Learner, self.cfg)
         self.checkpoints = CheckpointManager(self.run_dir, t.keep_checkpoints)
-        consumed: list[str] = []
+        consumed: dict | list = []  # rlnode.link.consumed state (a plain list in older checkpoints)
+        restored_ids: list[str] = []
         if self.resume:
-            consumed = await self._resume()
+            consumed, restored_ids = await self._resume()
         self.metrics = MetricsWriter(self.run_dir)
-        self.link = TrainerLink(f"tcp://{t.bind_host}:{t.port}", self.cfg.link, version=self.version)
-        self.link.load_consumed(consumed)
+        self.link = TrainerLink(f"tcp://{t.bind_host}:{t.port}", self.cfg.link, version=self.version,
+                                credit_budget=self.credit_budget,
+                                limits=GroupLimits.from_config(self.cfg, self.learner.vocab_size))
+        # Restored groups count as consumed for the link: a resend of one is
+        # a duplicate (it is already in the buffer).
+        self.link.load_consumed(consumed, restored_ids)
+        self.link.hold_credits(g.group_id for g in self.buffer.snapshot())  # restored: they count
         await self.link.start()
         master = t.weights.master_host or t.advertise_host
         broadcaster = WeightBroadcaster(t.weights, master_host=master, device=str(self.learner.device),
                                         timeout_s=t.weights.timeout_s)
-        self.pusher = WeightPusher(self.link, broadcaster, self.learner.model,
-                                   request_timeout_s=t.weights.timeout_s + 30)
+        self.pusher = WeightPusher(self.link, broadcaster, self.learner.model, WeightGuard(self.version),
+                                   request_timeout_s=t.weights.timeout_s + 30, max_failures=t.weights.max_failures)
         set_version(self.version)
         log.info("trainer.started", bind=self.link.endpoint, version=self.version, run_dir=str(self.run_dir),
                  resumed=self.resume, device=str(self.learner.device))
 
-    async def _resume(self) -> list[str]:
+    async def _resume(self) -> tuple[dict | list, list[str]]:
+        """Load the latest checkpoint; returns its consumed-id state and the
+        ids of the buffered groups it restored."""
         path = self.checkpoints.latest()
         if path is None:
             log.warning("trainer.resume_without_checkpoint", run_dir=str(self.run_dir))
-            return []
+            return [], []
         L = self.learner
         state = await asyncio.to_thread(self.checkpoints.load, path, L.model, L.optimizer, L.scheduler)
         self.version, self.step = state["version"], state["step"]
@@ -98,16 +115,15 @@ class TrainerDaemon:
             self.buffer.put(g)
         self.last_checkpoint_step = self.step
         log.info("trainer.resumed", checkpoint=str(path), version=self.version, step=self.step,
-                 consumed_groups=len(state["consumed_group_ids"]), restored_buffered_groups=len(restored))
-        # Restored groups count as consumed for the link: a resend of one is
-        # a duplicate (it is already in the buffer).
-        return state["consumed_group_ids"] + [g.group_id for g in restored]
+                 restored_buffered_groups=len(restored))
+        return state["consumed_group_ids"], [g.group_id for g in restored]
 
     # -- run -----------------------------------------------------------------------
 
     async def run(self, stop: asyncio.Event) -> None:
         tasks = [asyncio.create_task(c, name=n) for n, c in (
             ("intake", self._intake()), ("peers", self._peer_events()), ("evals", self._evals()),
+            ("pushes", self.pusher.run()),
             ("train", self._train_loop(stop)))]
         await run_until_stopped(tasks, stop)
 
@@ -128,8 +144,9 @@ class TrainerDaemon:
             log.info("trainer.peer", kind=ev.kind, peer=ev.peer_id)
             self.pusher.membership_changed()
             if ev.kind == "joined":
-                # A (re)joining actor gets the current weights right away.
-                spawn(self._background, self.pusher.push(self.version))
+                # A (re)joining actor gets the current weights right away
+                # (pushed by the pusher's own task, serialized with the rest).
+                self.pusher.request()
 
     async def _train_loop(self, stop: asyncio.Event) -> None:
         t = self.cfg.trainer
@@ -140,9 +157,13 @@ class TrainerDaemon:
             m = await self._train(batch)
             t_push, pushed = time.perf_counter(), False
             try:
-                pushed = await self.pusher.push(self.version)
-                self.link.set_version(self.version)
+                if not m.skipped:  # a skipped step left the weights (and the version) as they were
+                    pushed = await self.pusher.push(self.version)
+                    self.link.set_version(self.version)
             finally:  # also when stopped mid-push: the step happened, record it
+                # Only now, with the new weights out, may new groups start
+                # (in sync mode they must start on them).
+                self.link.release_credits(batch.group_ids)
                 self._write_step_metrics(batch, m, time.perf_counter() - t_push, pushed,
                                          time.perf_counter() - t_wait)
             if t.checkpoint_every and self.step - self.last_checkpoint_step >= t.checkpoint_every:
@@ -168,18 +189,24 @@ class TrainerDaemon:
         """One optimizer step, and its bookkeeping, as one unit: a stop that
         arrives mid-step waits for it, so the model, the version and the set
         of consumed groups (saved in the checkpoint) always agree."""
-        step = asyncio.ensure_future(asyncio.to_thread(self.learner.train_step, batch))
+        # Under the weight guard: no push reads the parameters mid-step.
+        step = asyncio.ensure_future(asyncio.to_thread(self.pusher.guard.step, self.learner.train_step, batch))
         try:
             m = await asyncio.shield(step)
         except asyncio.CancelledError:
             m = await step
-            self._stepped(batch)
+            self._stepped(batch, m)
             self._write_step_metrics(batch, m, 0.0, False, m.step_s)
             raise
-        self._stepped(batch)
+        self._stepped(batch, m)
         return m
 
-    def _stepped(self, batch) -> None:
+    def _stepped(self, batch, m) -> None:
+        if m.skipped:  # non-finite loss or gradient: the weights did not move, so no new version
+            self.pending_commit += batch.group_ids  # the groups are consumed all the same
+            log.warning("trainer.step_skipped", reason="nonfinite", loss=m.loss, grad_norm=m.grad_norm,
+                        groups=len(batch.group_ids), total=self.learner.skipped_steps)
+            return
         self.step += 1
         self.version += 1
         self.pending_commit += batch.group_ids
@@ -200,6 +227,10 @@ class TrainerDaemon:
             "train_s": m.step_s,
             "weight_push_s": push_s, "weights_pushed": pushed, "step_s": step_s,
             "buffered_groups": len(self.buffer),
+            # Flow control: the most groups admitted and not yet consumed at
+            # any moment since the previous step, and the budget it must respect.
+            "credits_outstanding_max": self.link.credits.reset_peak() if self.link else 0,
+            "credit_budget": self.credit_budget,
             # Where each group died: trained (or skipped) in this step.
             "group_ids": batch.group_ids,
             **{f"loss/{k}": v for k, v in m.extra.items() if k != "tokens"},
@@ -226,7 +257,7 @@ class TrainerDaemon:
 
     async def checkpoint(self) -> None:
         L = self.learner
-        consumed = self.link.consumed_ids() + self.pending_commit
+        consumed = self.link.consumed_state(self.pending_commit)
         buffered = self.buffer.snapshot()
         path = await asyncio.to_thread(
             self.checkpoints.save, self.step, self.version, L.model, L.optimizer, L.scheduler,
@@ -261,9 +292,27 @@ class TrainerDaemon:
     # -- observability (read by rlnode.ops.http; never changes state) ---------------
 
     def healthy(self) -> tuple[bool, str]:
-        if self.learner is None or self.link is None or not self.link.endpoint:
+        if self.learner is None or self.link is None or not self.link.endpoint or self.pusher is None:
             return False, "starting"
+        if why := self.pusher.health():
+            return False, why
+        if why := self._stalled():
+            return False, why
         return True, ""
+
+    def _stalled(self) -> str:
+        """'' unless a batch's worth of groups is waiting and no optimizer
+        step started or ended for trainer.stall_timeout_s (the loop is stuck
+        in a push, a checkpoint or a step)."""
+        limit = self.cfg.trainer.stall_timeout_s
+        waiting = len(self.buffer)
+        if not limit or waiting < self.buffer.groups_per_step:
+            return ""
+        idle = time.monotonic() - self.pusher.guard.progress_at
+        if idle < limit:
+            return ""
+        return (f"stalled: {waiting} groups waiting, no optimizer step for {idle:.0f} s "
+                f"(trainer.stall_timeout_s = {limit:g}) at step {self.step}")
 
     def status(self) -> dict:
         peers = self.link.peers() if self.link else {}
@@ -277,6 +326,7 @@ class TrainerDaemon:
                         "failures": self.pusher.failures if self.pusher else 0,
                         "last_push_s": self.pusher.last_push_s if self.pusher else 0.0},
             "link": msgspec.to_builtins(self.link.counters) if self.link else {},
+            "credits": self.link.credits.summary() if self.link else {},
         }
 
     def prometheus(self) -> list:
@@ -297,6 +347,14 @@ class TrainerDaemon:
                            ("logprob_diff_mean", "last step mean |engine - trainer| logprob")):
             if key in m:
                 out.append((f"rlnode_trainer_{key}", "gauge", help_, {}, float(m[key])))
+        if self.link is not None:
+            out += [("rlnode_credits_outstanding", "gauge", "groups admitted and not yet consumed (all actors)", {},
+                     self.link.credits.outstanding()),
+                    ("rlnode_credit_budget", "gauge", "(max_lag + 1) * groups_per_step", {}, self.credit_budget),
+                    ("rlnode_credits_granted", "counter", "credits granted to actors", {},
+                     self.link.credits.granted_total),
+                    ("rlnode_credits_returned", "counter", "credits of groups dropped on actors", {},
+                     self.link.credits.returned_total)]
         if self.pusher is not None:
             out += [("rlnode_weight_pushes", "counter", "weight updates pushed", {}, self.pusher.pushes),
                     ("rlnode_weight_push_failures", "counter", "failed weight pushes", {}, self.pusher.failures)]
@@ -323,7 +381,7 @@ class TrainerDaemon:
         return {"version": float(self.version), "buffered_groups": float(len(self.buffer))}
 
     def history(self) -> dict:
-        return {"steps": self.step_history[-2000:], "evals": self.eval_history[-2000:]}
+        return {"steps": list(self.step_history), "evals": list(self.eval_history)}
 
 
 def print_final_table(trainer: TrainerDaemon) -> None:
