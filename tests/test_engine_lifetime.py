@@ -8,19 +8,21 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from daemons import ROOT, Daemon, free_port
-
-pytestmark = pytest.mark.engine
+from rlnode.actor import engine_guard
 
 # The daemon is gone: every process of its session must follow within this.
 EXIT_DEADLINE_S = 30.0
 # A stop requested while the engine starts: the daemon is gone within this.
-STOP_DEADLINE_S = 15.0
+STOP_DEADLINE_S = 10.0
 
 
 def actor_args(model_dir, run_dir, http_port: int) -> list[str]:
@@ -80,6 +82,9 @@ def wait_session_gone(sid: int, timeout: float) -> tuple[float, dict[int, str]]:
 
 
 def cleanup(d: Daemon, shm: set[str]) -> None:
+    # What is left (after a failure) dies by SIGKILL, resource tracker
+    # included, so nothing unlinks its shared memory: do it here.
+    shm = shm | shm_files(session_pids(d.proc.pid))
     d.kill()  # SIGKILL to the whole process group, then reap the daemon
     for f in shm:
         Path(f).unlink(missing_ok=True)
@@ -89,6 +94,61 @@ def has_engine_core(sid: int) -> bool:
     return any("EngineCor" in name for name in session_pids(sid).values())
 
 
+# A stand-in for a vLLM process: loads the guard as vLLM would, then idles.
+GUARDED = ("import time; from rlnode.actor import engine_guard; engine_guard.install(); "
+           "print('installed', flush=True); time.sleep(120)")
+
+
+def guarded_child(owner_token: str | None) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k != engine_guard.OWNER_ENV}
+    if owner_token is not None:
+        env[engine_guard.OWNER_ENV] = owner_token
+    return subprocess.Popen([sys.executable, "-c", GUARDED], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+
+
+def test_guard_ends_its_process_with_the_owner():
+    owner = subprocess.Popen(["sleep", "120"])
+    child = guarded_child(engine_guard.owner_token(owner.pid))
+    try:
+        assert child.stdout.readline() == "installed\n"
+        time.sleep(0.2)  # the watcher thread waits on the owner's pidfd
+        assert child.poll() is None
+        t0 = time.monotonic()
+        owner.kill()
+        owner.wait()
+        assert child.wait(10) == -signal.SIGTERM  # no handler of its own: SIGTERM ends it
+        print(f"guarded process gone {time.monotonic() - t0:.2f} s after its owner")
+    finally:
+        for p in (owner, child):
+            p.kill()
+            p.wait()
+        child.stdout.close()
+
+
+def test_guard_sees_a_reused_pid_as_gone():
+    # A live pid with another start time: the owner died and its pid was reused.
+    child = guarded_child(f"{os.getpid()}:1")
+    try:
+        assert child.wait(10) == -signal.SIGTERM
+    finally:
+        child.kill()
+        child.wait()
+        child.stdout.close()
+
+
+def test_guard_leaves_other_processes_alone(monkeypatch):
+    # No owner named (a user's own `vllm serve`), or the owner itself (the
+    # daemon also loads vLLM's plugins): no watcher.
+    monkeypatch.delenv(engine_guard.OWNER_ENV, raising=False)
+    engine_guard.install()
+    monkeypatch.setenv(engine_guard.OWNER_ENV, engine_guard.owner_token())
+    engine_guard.install()
+    assert not [t for t in threading.enumerate() if t.name == "rlnode-engine-guard"]
+    assert not engine_guard._installed
+
+
+@pytest.mark.engine
 def test_kill9_daemon_takes_its_engine_processes(tiny_model_dir, tmp_path):
     port = free_port()
     d = Daemon("actor", actor_args(tiny_model_dir, tmp_path / "run", port), tmp_path, port)
@@ -111,6 +171,7 @@ def test_kill9_daemon_takes_its_engine_processes(tiny_model_dir, tmp_path):
         cleanup(d, shm)
 
 
+@pytest.mark.engine
 def test_sigterm_during_engine_start(tiny_model_dir, tmp_path):
     port = free_port()
     d = Daemon("actor", actor_args(tiny_model_dir, tmp_path / "run", port), tmp_path, port)

@@ -6,10 +6,13 @@ daemon in an environment variable that the processes vLLM spawns inherit;
 ``install()`` runs in those processes as a vLLM *general plugin* (entry point
 group ``vllm.general_plugins``, loaded by ``EngineCore.__init__`` and
 ``WorkerWrapperBase.init_worker``) and starts a thread that waits for the
-daemon to exit. When it does, the thread asks its own process to stop
-(SIGTERM: vLLM's handlers shut the engine down cleanly and release its shared
-memory) and, ``GRACE_S`` later, kills what is left of its process and its
-children (SIGKILL).
+daemon, and for the process's parent where that is another vLLM process (a
+worker's engine core), to exit. When one does, the thread asks its own
+process to stop (SIGTERM: vLLM's handlers shut the engine down cleanly and
+release its shared memory) and, ``GRACE_S`` later, kills what is left of its
+process and its children (SIGKILL). ``kill_children_since()`` is the daemon's side: an engine
+start that is cancelled (a stop during start-up) kills the half-built
+engine's process tree rather than wait 10-30 s for it to finish.
 
 Why not the daemon's own shutdown: ``kill -9``, an interpreter crash or a
 second SIGTERM (forced exit) never run it, and vLLM's processes do not notice
