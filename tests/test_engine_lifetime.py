@@ -148,6 +148,21 @@ def test_guard_leaves_other_processes_alone(monkeypatch):
     assert not engine_guard._installed
 
 
+def test_guard_joins_an_operators_plugin_allow_list(monkeypatch):
+    monkeypatch.delenv(engine_guard.OWNER_ENV, raising=False)  # restored afterwards
+    monkeypatch.setenv("VLLM_PLUGINS", "lora_filesystem_resolver")
+    engine_guard.mark_owner()
+    assert os.environ["VLLM_PLUGINS"] == f"lora_filesystem_resolver,{engine_guard.PLUGIN_NAME}"
+    assert os.environ[engine_guard.OWNER_ENV] == engine_guard.owner_token()
+
+
+def test_guard_is_a_registered_vllm_plugin():
+    from importlib.metadata import entry_points
+
+    [ep] = [ep for ep in entry_points(group="vllm.general_plugins") if ep.name == engine_guard.PLUGIN_NAME]
+    assert ep.load() is engine_guard.install
+
+
 @pytest.mark.engine
 def test_kill9_daemon_takes_its_engine_processes(tiny_model_dir, tmp_path):
     port = free_port()

@@ -39,6 +39,8 @@ import time
 # "<pid>:<start time in clock ticks since boot>" of the daemon that owns the
 # engines. Not configuration: the only channel into processes vLLM spawns.
 OWNER_ENV = "RLNODE_ENGINE_OWNER"
+# The entry point's name in group vllm.general_plugins (pyproject.toml).
+PLUGIN_NAME = "rlnode_engine_guard"
 # Between SIGTERM to our own process (vLLM shuts down cleanly) and SIGKILL.
 GRACE_S = 5.0
 # Fallback poll period where pidfds are unavailable (non-Linux, kernel < 5.3).
@@ -71,6 +73,11 @@ def owner_token(pid: int | None = None) -> str:
 def mark_owner() -> None:
     """Name this process as the owner of the engines it is about to start."""
     os.environ[OWNER_ENV] = owner_token()
+    # An operator's VLLM_PLUGINS allow-list would silently leave the guard
+    # out (pyproject.toml registers it under this name).
+    allowed = os.environ.get("VLLM_PLUGINS")
+    if allowed is not None and PLUGIN_NAME not in allowed.split(","):
+        os.environ["VLLM_PLUGINS"] = f"{allowed},{PLUGIN_NAME}" if allowed else PLUGIN_NAME
 
 
 def spawned_children() -> set[int]:
