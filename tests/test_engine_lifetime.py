@@ -1,8 +1,9 @@
 """No engine outlives its daemon: an actor daemon (its own process session)
-is killed -9 once its engine serves, and stopped by SIGTERM while its engine
-is still starting; both times every process of its session (vLLM's engine
-core and worker, multiprocessing's resource tracker) must be gone within
-seconds, and the shared memory they mapped with them."""
+is killed -9 once its engine serves, stopped by SIGTERM while its engine is
+still starting, and fails while starting it; each time every process of its
+session (vLLM's engine core and worker, multiprocessing's resource tracker)
+must be gone within seconds, and the shared memory they mapped with them.
+The engine guard itself is tested on plain processes first (fast)."""
 
 from __future__ import annotations
 
@@ -211,3 +212,19 @@ def test_sigterm_during_engine_start(tiny_model_dir, tmp_path):
         print(f"daemon stopped {stop_s:.1f} s after SIGTERM, its session empty {took:.1f} s later")
     finally:
         cleanup(d, shm)
+
+
+@pytest.mark.engine
+def test_engine_start_failure_leaves_no_process(tiny_model_dir, tmp_path):
+    # The engine's worker fails during start (a KV cache larger than RAM).
+    port = free_port()
+    d = Daemon("actor", actor_args(tiny_model_dir, tmp_path / "run", port)
+               + ["--set", "actor.engine.cpu_kv_cache_gib=100000"], tmp_path, port)
+    sid = d.proc.pid
+    try:
+        assert d.proc.wait(180) == 1, d.log_path.read_text()[-3000:]  # EXIT_FATAL
+        assert "kv cache" in d.log_path.read_text()
+        took, left = wait_session_gone(sid, EXIT_DEADLINE_S)
+        assert not left, f"still alive {EXIT_DEADLINE_S:.0f} s after the daemon failed: {left}"
+    finally:
+        cleanup(d, set())
