@@ -76,6 +76,27 @@ def test_ledger_peers_leaving_and_foreign_counts():
     assert led.reset_peak() == 6
 
 
+def test_a_timed_out_actor_keeps_its_credits_for_reclaim_s(monkeypatch):
+    import rlnode.link.credits as credits
+
+    now = [100.0]
+    monkeypatch.setattr(credits.time, "monotonic", lambda: now[0])
+    led = CreditLedger("s1", budget=4, reclaim_s=10.0)
+    for p in ("a", "b"):
+        led.peer_joined(p)
+        led.on_report(p, report("s1", 4))
+    led.grant()
+    held_by_a = led.peers["a"].in_hands
+    led.peer_left("a")  # silent: maybe dead, maybe slow
+    assert led.outstanding() == 4 and led.grant() == []
+    led.peer_joined("a")  # it was only slow: back with what it held, no overshoot
+    assert led.outstanding() == 4 and led.peak == 4
+    led.peer_left("a")
+    now[0] += 10.0  # silent for reclaim_s after its timeout: presumed dead
+    assert led.outstanding() == 4 - held_by_a
+    assert [p.peer_id for p in led.grant()] == ["b"] and led.outstanding() == 4
+
+
 def test_actor_credits_session_rules():
     c = ActorCredits(want=2)
     assert c.available == 0  # no trainer yet

@@ -21,7 +21,10 @@ SMALL = ["--set", f"actor.scheduler.groups_per_step={GROUPS_PER_STEP}", "--set",
          "--set", "actor.scheduler.eval_every=0", "--set", "trainer.checkpoint_every=0",
          "--set", "actor.router.llm_max_rollouts=8", "--set", "actor.scheduler.max_retries=1",
          "--set", "actor.scheduler.retry_backoff_s=0.05", "--set", "actor.scheduler.max_groups_in_flight=2",
-         "--set", FAILING_CUBE]
+         "--set", FAILING_CUBE,
+         # Four daemons and three engines share 2 cores here: a loop can
+         # stall for seconds; do not take that for a dead peer.
+         "--set", "link.peer_timeout_s=10"]
 
 
 def actor_version(st):

@@ -32,24 +32,30 @@ The protocol (messages in ``rlnode.wire``):
 * A credit comes back when its group is dropped on the actor (episodes
   failed past their retries: ``returned``), rejected by the trainer as
   invalid, consumed by a step (trained, skipped or dropped as stale), or
-  when its actor leaves (timeout, or replaced by a new incarnation: the
-  credits in its hands died with it). A new or restarted actor starts with
-  zero credits: it is granted what the budget has free, never a burst.
+  when its actor is gone: replaced by a new incarnation of its node (the
+  credits in its hands died with that process) or silent for ``reclaim_s``
+  after it timed out. Until then a timed-out actor's credits still count:
+  an actor that was only slow (a stalled loop, a network blip) comes back
+  and delivers what it started without pushing the total over the budget.
+  A new or restarted actor starts with zero credits: it is granted what the
+  budget has free, never a burst.
 * Sharing by demand: each actor asks for ``want`` (how many groups it can
   run at once); free credits go one at a time to the connected actor with
   the lowest ``in_hands / want``. A fast actor returns its credits (as
   delivered groups) sooner and so is topped up more often; a slow one keeps
   what it holds but cannot take more than its ``want``.
 * Limits, stated: groups started under an older session (a trainer
-  restart) or by an actor that was timed out and came back count only once
-  delivered, so ``outstanding`` can exceed the budget for a moment then; no
-  credit is granted until it is back under. The trainer drops and counts
+  restart), or by an actor that comes back after its credits were
+  reclaimed, count only once delivered, so ``outstanding`` can exceed the
+  budget for a moment then; no credit is granted until it is back under.
+  The trainer drops and counts
   samples older than ``max_lag`` whatever happens.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Callable, Iterable
 
 import msgspec
@@ -62,6 +68,7 @@ class PeerCredits(msgspec.Struct):
 
     peer_id: str
     connected: bool = True
+    left_at: float = 0.0  # monotonic time it timed out (while not connected)
     want: int = 0  # from its last report
     granted: int = 0  # cumulative, this session
     started: int = 0  # from its reports (informational)
@@ -76,11 +83,13 @@ class PeerCredits(msgspec.Struct):
 
 class CreditLedger:
     """The trainer's side. ``budget`` None = no global limit (each actor is
-    topped up to its ``want``): for tools and tests that run a bare link."""
+    topped up to its ``want``): for tools and tests that run a bare link.
+    ``reclaim_s``: how long a timed-out actor's credits keep counting."""
 
-    def __init__(self, session: str, budget: int | None):
+    def __init__(self, session: str, budget: int | None, reclaim_s: float = 0.0):
         self.session = session
         self.budget = budget
+        self.reclaim_s = reclaim_s
         self.peers: dict[str, PeerCredits] = {}
         self.waiting: set[str] = set()  # delivered groups the trainer has not released
         self.peak = 0  # highest outstanding since reset_peak()
@@ -88,8 +97,12 @@ class CreditLedger:
         self.returned_total = 0
         self.foreign_reports = 0  # reports for another session (stale), ignored
 
+    def _counts(self, p: PeerCredits, now: float) -> bool:
+        return p.connected or now - p.left_at < self.reclaim_s
+
     def outstanding(self) -> int:
-        return len(self.waiting) + sum(p.in_hands for p in self.peers.values() if p.connected)
+        now = time.monotonic()
+        return len(self.waiting) + sum(p.in_hands for p in self.peers.values() if self._counts(p, now))
 
     def reset_peak(self) -> int:
         """The peak since the last call; starts a new window at the current value."""
@@ -107,11 +120,12 @@ class CreditLedger:
         self._note()
 
     def peer_left(self, peer_id: str) -> None:
-        """Timed out: its credits stop counting (it may be dead); kept in case
-        the same incarnation comes back."""
+        """Timed out: it gets no new credits; the ones it holds count for
+        ``reclaim_s`` more (it may only be slow), then return to the pool.
+        Kept in case the same incarnation comes back."""
         p = self.peers.get(peer_id)
-        if p is not None:
-            p.connected = False
+        if p is not None and p.connected:
+            p.connected, p.left_at = False, time.monotonic()
 
     def forget(self, peer_id: str) -> None:
         """Replaced by a new incarnation of its node: that process is gone."""

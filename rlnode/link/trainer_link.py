@@ -141,7 +141,9 @@ class TrainerLink:
         self.counters = TrainerLinkCounters()
         # None = no global limit (bare links in tools and tests); the trainer
         # daemon passes (max_lag + 1) * groups_per_step.
-        self.credits = CreditLedger(self.incarnation, credit_budget)
+        # A timed-out actor's credits count for one more peer timeout before
+        # they return: a slow actor that comes back cannot overshoot the budget.
+        self.credits = CreditLedger(self.incarnation, credit_budget, reclaim_s=self.link.peer_timeout_s)
         self.deliveries: asyncio.Queue[tuple[str, GroupDelivery] | LinkError] = asyncio.Queue()
         self.events: asyncio.Queue[PeerEvent] = asyncio.Queue()
         self.evals: asyncio.Queue[tuple[str, EvalReport]] = asyncio.Queue()
