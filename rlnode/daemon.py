@@ -11,7 +11,6 @@ Exit codes: 0 clean stop, 1 fatal error, 2 bad config/usage, 130 forced stop.
 from __future__ import annotations
 
 import asyncio
-import gc
 import os
 import signal
 from typing import Protocol
@@ -222,9 +221,7 @@ def run_daemon(cfg: Config, role: str, resume: bool = False) -> int:
     http = None
     if cfg.http.enabled:
         http = (cfg.http.host, cfg.http.actor_port if role == "actor" else cfg.http.trainer_port)
-    code = runner(Lifecycle(build_roles(cfg, role, resume), http=http).main())
-    # Everything is shut down. The interpreter's last cycle collection walks
-    # the ~600k objects torch and vLLM leave behind: 7 s on a busy 2-core
-    # host (0.7 s frozen), time a stopping daemon would otherwise hold on to.
-    gc.freeze()
-    return code
+    # No gc.freeze() before exit, though it would save seconds of final
+    # collection on a busy host: frozen objects are never freed, and
+    # triton's nanobind module then prints "leaked instances" at every exit.
+    return runner(Lifecycle(build_roles(cfg, role, resume), http=http).main())
