@@ -149,13 +149,15 @@ class ActorDaemon:
     def _settled(self) -> tuple[str, int]:
         """(group id prefix, lowest index this actor may still send): every
         group below it was committed or dropped (CreditReport.settled_below)."""
+        from rlnode.link.consumed import split_group_id
+
         s = self.scheduler
         low = min(s.in_flight_indices, default=s.started_groups)
-        prefix = s.id_prefix
         for gid in self.link.held_ids():
-            if gid.startswith(prefix) and gid[len(prefix) + 1:].isdigit():
-                low = min(low, int(gid[len(prefix) + 1:]))
-        return prefix, low
+            parsed = split_group_id(gid)
+            if parsed is not None and parsed[0] == s.id_prefix:
+                low = min(low, parsed[1])
+        return s.id_prefix, low
 
     def _stats(self) -> dict[str, float]:
         r = self.router.stats()
