@@ -68,6 +68,15 @@ class EngineConfig(_Section):
     max_num_seqs: PositiveInt = 256
     # Base seed for the engines' samplers (engine i uses seed + i).
     seed: NonNegInt = 0
+    # Compute the lm_head (logits, hence sampling logprobs) in fp32 although
+    # the model runs in bf16/fp16, as the trainer does: a bf16 lm_head is
+    # the largest single source of engine-vs-trainer logprob mismatch in
+    # low-precision runs. Costs an fp32 copy of lm_head.weight per engine.
+    fp32_lm_head: bool = False
+    # GPU devices this node's engines use, in order (engine i takes
+    # tensor_parallel_size consecutive entries); empty = 0..N-1. With
+    # `--role all` on one GPU, engine and trainer share device 0.
+    gpu_ids: list[int] = []
 
 
 class RouterConfig(_Section):
@@ -215,7 +224,12 @@ class OptimConfig(_Section):
 class WeightSyncConfig(_Section):
     # torch.distributed backend for the weight broadcast: "auto" = nccl when
     # the trainer is on cuda, else gloo.
-    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    #   "cuda_ipc": engine and trainer on one node: the engine's workers open
+    #   CUDA IPC handles of the trainer's (bucketed) tensors; no NCCL group,
+    #   so trainer and engine may share one GPU. "auto" picks it when the
+    #   trainer is on cuda and every engine in the group is on the trainer's
+    #   host; gloo with a cuda trainer stages each bucket through CPU memory.
+    backend: Literal["auto", "gloo", "nccl", "cuda_ipc"] = "auto"
     # Tensors are packed into flat buffers of about this size (MiB), one
     # collective each.
     bucket_mb: PositiveInt = 64
@@ -246,6 +260,21 @@ class LinkConfig(_Section):
     peer_timeout_s: PositiveFloat = 10.0
 
 
+class ParallelConfig(_Section):
+    """FSDP2 data parallelism across the trainer node's devices, all under
+    the one trainer daemon: rank 0 owns the link and the weight push, every
+    rank holds a shard of the weights, gradients and optimizer state."""
+
+    # Trainer ranks (processes) on this node: 1 = no sharding; 0 = one per
+    # visible GPU (1 on CPU). Ranks > 0 are child processes of the daemon.
+    ranks: NonNegInt = 1
+    # torch.distributed backend among the ranks: "auto" = nccl on cuda,
+    # gloo on cpu.
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    # Loopback TCP port of the ranks' rendezvous; 0 = a free port.
+    port: Annotated[int, Meta(ge=0, le=65535)] = 0
+
+
 class TrainerConfig(_Section):
     # Address the trainer binds its ZeroMQ socket on.
     bind_host: str = "0.0.0.0"
@@ -262,8 +291,29 @@ class TrainerConfig(_Section):
     cpu_threads: NonNegInt = 0
     # Optimizer steps to run; 0 = until stopped.
     max_steps: NonNegInt = 0
-    # Samples per micro-batch (gradient accumulation splits a step).
+    # Samples per micro-batch (gradient accumulation splits a step); used
+    # when micro_batch_tokens = 0.
     micro_batch_size: PositiveInt = 64
+    # Token budget of one micro-batch: forward rows (packed episodes) are
+    # packed into micro-batches of at most this many tokens each, with no
+    # padding rows (sequences are concatenated; attention never crosses a
+    # sequence boundary). 0 = split by micro_batch_size samples instead. A
+    # row longer than the budget gets a micro-batch of its own.
+    micro_batch_tokens: NonNegInt = 0
+    # Completion tokens whose lm_head logits, log-softmax and entropy are
+    # computed at once: peak memory holds [chunk, vocab] fp32 (and the
+    # chunk is recomputed in backward), never [tokens, vocab]. >= 1.
+    logprob_chunk_tokens: PositiveInt = 2048
+    # "fp32": weights, optimizer state and compute in fp32 (CPU default;
+    # exact parity with an fp32 engine). "bf16-mixed": fp32 master weights
+    # and AdamW state, bf16 compute (autocast / FSDP2 param_dtype); the
+    # weights pushed to engines are cast to model.dtype. "bf16": weights and
+    # optimizer state in bf16 (half the memory; an update below bf16
+    # resolution, e.g. lr 1e-6, is lost: the weights do not move).
+    precision: Literal["fp32", "bf16-mixed", "bf16"] = "fp32"
+    # Recompute each decoder layer's activations in backward instead of
+    # keeping them (less memory, ~30% more compute).
+    activation_checkpointing: bool = False
     # Score each episode's LLM calls in one forward row (call k+1's prompt
     # extends call k's prompt + completion, so the last call's sequence holds
     # them all): the same logprobs, a multi-turn episode's shared prefix
@@ -282,6 +332,7 @@ class TrainerConfig(_Section):
     # is stuck: a push, a checkpoint, a hung device). >= 0; 0 = off. Keep it
     # above the slowest step plus push (weights.timeout_s bounds a push).
     stall_timeout_s: Annotated[float, Meta(ge=0)] = 600.0
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
