@@ -109,7 +109,13 @@ def pack_episodes(samples) -> list[PackedRow]:
 
 
 class Learner:
-    def __init__(self, cfg: Config):
+    """shard: called once on the loaded policy, after activation
+    checkpointing is set up and before the optimizer is built, to shard it in
+    place (FSDP2, ``rlnode/trainer/parallel.py``). Scoring calls the
+    decoder (``model.base_model``) and the head (``model.get_output_embeddings()``)
+    separately, so a sharding must make both callable on their own."""
+
+    def __init__(self, cfg: Config, shard=None):
         from transformers import AutoModelForCausalLM
 
         self.cfg = cfg
@@ -121,6 +127,8 @@ class Learner:
             cfg.model.dtype, torch.float32)
         self.model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=dtype).to(self.device)
         self.model.train()
+        if shard is not None:
+            shard(self.model)
         self.ref_model = None
         if t.loss.kl_coef > 0:
             self.ref_model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=dtype).to(self.device).eval()
