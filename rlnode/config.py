@@ -280,9 +280,12 @@ class TrainerConfig(_Section):
     bind_host: str = "0.0.0.0"
     # TCP port of the trainer's ZeroMQ socket (actors' --peers).
     port: Annotated[int, Meta(ge=1, le=65535)] = 5555
-    # Address actors use to reach this trainer for the weight broadcast
-    # rendezvous (defaults to 127.0.0.1 for single-machine runs).
-    advertise_host: str = "127.0.0.1"
+    # Address actors' engines use to reach this trainer's weight broadcast
+    # rendezvous. "auto": 127.0.0.1 when bind_host is loopback, bind_host
+    # when it is one specific address, else this node's address on its
+    # default route (rlnode/ops/netaddr.py). `rlnode check` flags a loopback
+    # rendezvous behind a non-loopback bind (remote engines cannot join).
+    advertise_host: str = "auto"
     # Device for the trainer model: "auto" = cuda if available, else cpu.
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # CPU trainer: torch intra-op threads; 0 = torch's default (all cores).

@@ -30,6 +30,7 @@ import msgspec
 from rlnode.config import Config, effective_max_lag
 from rlnode.daemon import run_until_stopped
 from rlnode.log import get_logger, set_version
+from rlnode.ops.netaddr import resolve_advertise_host
 from rlnode.trainer.buffer import GroupBuffer
 
 log = get_logger("rlnode.trainer")
@@ -91,7 +92,7 @@ class TrainerDaemon:
         self.link.load_consumed(consumed, restored_ids)
         self.link.hold_credits(g.group_id for g in self.buffer.snapshot())  # restored: they count
         await self.link.start()
-        master = t.weights.master_host or t.advertise_host
+        master = t.weights.master_host or resolve_advertise_host(self.cfg)
         broadcaster = WeightBroadcaster(t.weights, master_host=master, device=str(self.learner.device),
                                         timeout_s=t.weights.timeout_s)
         self.pusher = WeightPusher(self.link, broadcaster, self.learner.model, WeightGuard(self.version),

@@ -1,0 +1,64 @@
+"""Which address of this node other nodes should use.
+
+The trainer tells every actor where its weight rendezvous (TCPStore) listens.
+"127.0.0.1" is right for one machine and silently wrong for two: the remote
+engines would try to join a store on their own loopback and the first weight
+push would time out. ``trainer.advertise_host = "auto"`` derives it from
+where the trainer accepts actors instead.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+
+from rlnode.config import Config
+
+# Any routable address: connecting a UDP socket sends nothing, it only asks
+# the kernel which local address the route to it leaves from.
+_ROUTE_PROBE = ("192.0.2.1", 9)  # TEST-NET-1 (RFC 5737): never a real peer
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def primary_address() -> str:
+    """This node's address on its default route (or the hostname's first
+    non-loopback address); ValueError when it has neither."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(_ROUTE_PROBE)
+            addr = s.getsockname()[0]
+            if not _loopback(addr) and addr != "0.0.0.0":
+                return addr
+    except OSError:
+        pass
+    try:
+        for info in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET):
+            addr = info[4][0]
+            if not _loopback(addr):
+                return addr
+    except OSError:
+        pass
+    raise ValueError("trainer.advertise_host = \"auto\": this node has no non-loopback address "
+                     "(no default route, hostname resolves to loopback); set trainer.advertise_host")
+
+
+def resolve_advertise_host(cfg: Config) -> str:
+    """trainer.advertise_host with "auto" resolved: loopback when the trainer
+    only listens on loopback, the bind address when it is a specific one,
+    else this node's primary address."""
+    t = cfg.trainer
+    if t.advertise_host != "auto":
+        return t.advertise_host
+    if _loopback(t.bind_host):
+        return "127.0.0.1"
+    if t.bind_host not in ("0.0.0.0", "::", "*", ""):
+        return t.bind_host
+    return primary_address()
