@@ -3,6 +3,7 @@
     rlnode --role {trainer,actor,all} --config FILE [--set k.p=v ...] [--peers H:P,...]
     rlnode tiny-model OUT_DIR [--arch ...] [--tie-embeddings] [--seed N] [--layers N --hidden N]
     rlnode bench NAME [--config FILE] [--set ...] [--json]
+    rlnode check --config FILE [--for-role R] [--gpus N] [--json]
 
 Heavy imports (torch, vllm) happen only inside the command that needs them,
 so ``--help`` and config errors are instant.
@@ -80,6 +81,17 @@ def build_parser() -> argparse.ArgumentParser:
     kg.add_argument("--actor", action="append", metavar="NAME",
                     help="actor key pair to create and authorize (repeatable; default: one named 'actor')")
 
+    ck = sub.add_parser("check", help="check a config against this machine (model dir, GPUs, ports, "
+                        "rendezvous host, cubes) before a run")
+    _add_config_args(ck)
+    ck.add_argument("--for-role", dest="check_role", choices=ROLES, default="all",
+                    help="the role this machine will run (default all)")
+    ck.add_argument("--gpus", type=int, metavar="N",
+                    help="assume N visible GPUs instead of counting them (check a config for another machine)")
+    ck.add_argument("--peers", dest="check_peers", default="", metavar="HOST:PORT,...",
+                    help="actor: trainer address(es), as given to the daemon")
+    ck.add_argument("--json", action="store_true", help="print the findings as JSON")
+
     bench = sub.add_parser("bench", help="run a benchmark and print a table (or --json)")
     bench.add_argument("name", choices=BENCHES,
                        help="router: AdmissionRouter+Engine vs direct AsyncLLM vs vllm serve; "
@@ -137,6 +149,13 @@ def main(argv: list[str] | None = None) -> int:
         from rlnode.evaluate import main_eval
 
         return main_eval(cfg, args)
+    if args.command == "check":
+        cfg = _load(args)
+        if args.check_peers:
+            cfg.actor.peers = [p.strip() for p in args.check_peers.split(",") if p.strip()]
+        from rlnode.ops.check import main_check
+
+        return main_check(cfg, args.check_role, args.json, args.gpus)
     if args.command == "bench":
         cfg = _load(args)
         from rlnode.bench import run_bench

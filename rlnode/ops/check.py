@@ -1,0 +1,288 @@
+"""``rlnode check --config F [--role R]``: will this config run on this machine?
+
+Loading a config already validates its types and cross-field rules; what it
+cannot know is the machine. A GPU run that dies 90 s in, after the engines
+have taken their memory, because the model directory lacks its tokenizer,
+the trainer's port is taken or the rendezvous host is 127.0.0.1 on a
+two-node job, costs a node-hour each time. ``check`` looks at the machine the
+way the daemons will and prints one line per finding, before anything heavy
+starts:
+
+    ok    model     /models/Qwen3-4B: qwen3, 36 layers, vocab 151936, 3 safetensors files
+    FAIL  gpus      actor needs 8 GPUs (8 engines x tp 1), this machine has 1
+    FAIL  rendezvous trainer.advertise_host 127.0.0.1 is loopback but trainer.bind_host is 0.0.0.0 ...
+
+Exit status: 0 when nothing failed (warnings allowed), 1 otherwise.
+
+Owns: the checks and their report. Must not start engines, bind for longer
+than a probe, or write anything but a probe file in the run directory.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from rlnode.config import Config
+
+OK, WARN, FAIL = "ok", "WARN", "FAIL"
+
+
+@dataclass
+class Finding:
+    level: str  # ok | WARN | FAIL
+    what: str  # short topic: model, gpus, ports, rendezvous, ...
+    detail: str
+
+
+def is_loopback(host: str) -> bool:
+    if host in ("localhost", ""):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        try:
+            return all(ipaddress.ip_address(a[4][0]).is_loopback
+                       for a in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP))
+        except OSError:
+            return False
+
+
+def is_wildcard(host: str) -> bool:
+    return host in ("0.0.0.0", "::", "*")
+
+
+def local_address(host: str) -> bool:
+    """Can this machine bind ``host`` (is it one of our addresses)?"""
+    try:
+        infos = socket.getaddrinfo(host, 0, proto=socket.IPPROTO_TCP)
+    except OSError:
+        return False
+    for family, _, _, _, addr in infos:
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                s.bind((addr[0], 0))
+            return True
+        except OSError:
+            continue
+    return False
+
+
+def port_free(host: str, port: int) -> str:
+    """'' when ``host:port`` can be bound now, else why not."""
+    bind = "0.0.0.0" if is_wildcard(host) else host
+    try:
+        family = socket.getaddrinfo(bind, port, proto=socket.IPPROTO_TCP)[0][0]
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.bind((bind, port))
+        return ""
+    except OSError as e:
+        return e.strerror or str(e)
+
+
+def visible_gpus() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # a broken CUDA install reads as no GPU; the daemon would fail the same way
+        return 0
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def check_model(cfg: Config) -> list[Finding]:
+    path = Path(cfg.model.path)
+    if not cfg.model.path or not path.is_dir():
+        return [Finding(FAIL, "model", f"model.path {cfg.model.path!r} is not a directory on this machine "
+                        "(models are read from a local path; nothing is downloaded)")]
+    out: list[Finding] = []
+    conf_file = path / "config.json"
+    if not conf_file.is_file():
+        return [Finding(FAIL, "model", f"{path}: no config.json")]
+    try:
+        hf = json.loads(conf_file.read_text())
+    except ValueError as e:
+        return [Finding(FAIL, "model", f"{conf_file}: not JSON ({e})")]
+    weights = sorted(path.glob("*.safetensors"))
+    if not weights:
+        out.append(Finding(FAIL, "model", f"{path}: no *.safetensors weights (the engines and the weight "
+                           "check read safetensors)"))
+    tok_dir = Path(cfg.model.tokenizer or cfg.model.path)
+    if not any((tok_dir / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        out.append(Finding(FAIL, "model", f"{tok_dir}: no tokenizer (tokenizer.json / tokenizer.model / vocab.json)"))
+    text = hf.get("text_config", hf)
+    max_pos = text.get("max_position_embeddings")
+    if max_pos and cfg.model.max_model_len > max_pos:
+        out.append(Finding(FAIL, "model", f"model.max_model_len {cfg.model.max_model_len} > the model's "
+                           f"max_position_embeddings {max_pos}"))
+    if not [f for f in out if f.level == FAIL]:
+        out.append(Finding(OK, "model", f"{path}: {text.get('model_type', hf.get('model_type', '?'))}, "
+                           f"{text.get('num_hidden_layers', '?')} layers, vocab {text.get('vocab_size', '?')}, "
+                           f"{len(weights)} safetensors file(s)"))
+    return out
+
+
+def _engine_gpus(cfg: Config) -> int:
+    e = cfg.actor.engine
+    return e.num_engines * e.tensor_parallel_size
+
+
+def check_devices(cfg: Config, role: str, gpus: int) -> list[Finding]:
+    out: list[Finding] = []
+    e, t = cfg.actor.engine, cfg.trainer
+    engine_cuda = e.device == "cuda" or (e.device == "auto" and gpus > 0)
+    trainer_cuda = t.device == "cuda" or (t.device == "auto" and gpus > 0)
+    if role in ("actor", "all"):
+        if e.device == "cuda" and gpus == 0:
+            out.append(Finding(FAIL, "gpus", "actor.engine.device = \"cuda\" but this machine has no visible GPU"))
+        elif engine_cuda:
+            need = _engine_gpus(cfg)
+            ids = list(e.gpu_ids) or list(range(need))
+            if len(ids) < need:
+                out.append(Finding(FAIL, "gpus", f"actor.engine.gpu_ids lists {len(ids)} GPU(s); {e.num_engines} "
+                                   f"engine(s) x tensor_parallel_size {e.tensor_parallel_size} need {need}"))
+            elif max(ids[:need]) >= gpus:
+                out.append(Finding(FAIL, "gpus", f"actor needs GPU ids {ids[:need]} ({e.num_engines} engine(s) x "
+                                   f"tp {e.tensor_parallel_size}); this machine has {gpus} GPU(s)"))
+            else:
+                out.append(Finding(OK, "gpus", f"engines on GPU(s) {ids[:need]} of {gpus}"))
+        else:
+            out.append(Finding(OK, "gpus", f"{e.num_engines} engine(s) on cpu"))
+    if role in ("trainer", "all"):
+        ranks = t.parallel.ranks or max(1, gpus if trainer_cuda else 1)
+        if t.device == "cuda" and gpus == 0:
+            out.append(Finding(FAIL, "gpus", "trainer.device = \"cuda\" but this machine has no visible GPU"))
+        elif trainer_cuda and ranks > gpus:
+            out.append(Finding(FAIL, "gpus", f"trainer.parallel.ranks = {ranks} but this machine has {gpus} GPU(s)"))
+        elif not trainer_cuda and ranks > 1 and t.parallel.backend == "nccl":
+            out.append(Finding(FAIL, "gpus", "trainer.parallel.backend = \"nccl\" needs cuda; the trainer is on cpu"))
+        else:
+            out.append(Finding(OK, "gpus", f"trainer: {ranks} rank(s) on {'cuda' if trainer_cuda else 'cpu'}"))
+        if role == "all" and trainer_cuda and engine_cuda and gpus > 0:
+            shared = set(list(e.gpu_ids) or range(_engine_gpus(cfg))) & set(range(ranks))
+            if shared and e.gpu_memory_utilization > 0.6:
+                out.append(Finding(WARN, "gpus", f"trainer and engine share GPU(s) {sorted(shared)} but "
+                                   f"actor.engine.gpu_memory_utilization = {e.gpu_memory_utilization}: vLLM takes "
+                                   "that share of the whole GPU; leave the trainer room (e.g. 0.3-0.5)"))
+            if shared and t.weights.backend == "nccl":
+                out.append(Finding(FAIL, "weights", "trainer.weights.backend = \"nccl\" with trainer and engine on "
+                                   "one GPU: NCCL refuses two ranks on one device; use \"auto\" (cuda_ipc)"))
+    if trainer_cuda and cfg.trainer.precision == "bf16":
+        out.append(Finding(WARN, "trainer", "trainer.precision = \"bf16\" keeps bf16 weights and optimizer state: "
+                           f"updates below bf16 resolution (lr {cfg.trainer.optim.lr:g}) are lost; "
+                           "\"bf16-mixed\" keeps fp32 master weights"))
+    return out
+
+
+def check_network(cfg: Config, role: str) -> list[Finding]:
+    from rlnode.ops.netaddr import resolve_advertise_host
+
+    out: list[Finding] = []
+    t = cfg.trainer
+    if role in ("trainer", "all"):
+        why = port_free(t.bind_host, t.port)
+        out.append(Finding(FAIL, "ports", f"trainer.port {t.bind_host}:{t.port}: {why}") if why
+                   else Finding(OK, "ports", f"trainer link {t.bind_host}:{t.port} is free"))
+        master = "127.0.0.1"
+        try:
+            adv = resolve_advertise_host(cfg)
+        except ValueError as e:
+            out.append(Finding(FAIL, "rendezvous", str(e)))
+        else:
+            master = t.weights.master_host or adv
+            if not local_address(master):
+                out.append(Finding(FAIL, "rendezvous", f"weight rendezvous host {master!r} "
+                                   "(trainer.weights.master_host or trainer.advertise_host) is not an address of "
+                                   "this machine: the trainer's store cannot listen there"))
+            elif is_loopback(master) and not is_loopback(t.bind_host):
+                out.append(Finding(FAIL, "rendezvous", f"weight rendezvous host {master!r} is loopback but "
+                                   f"trainer.bind_host = {t.bind_host!r} accepts remote actors: their engines "
+                                   "could not join the weight broadcast. Set trainer.advertise_host to this "
+                                   "node's address (or \"auto\")"))
+            else:
+                out.append(Finding(OK, "rendezvous", f"weight rendezvous on {master} (ports from "
+                                   f"{t.weights.base_port})"))
+        if not any(not port_free(master, p)
+                   for p in range(t.weights.base_port, t.weights.base_port + 50)):
+            out.append(Finding(FAIL, "ports", f"no free port in trainer.weights.base_port "
+                               f"{t.weights.base_port}..{t.weights.base_port + 49}"))
+    if cfg.http.enabled:
+        ports = []
+        if role in ("trainer", "all"):
+            ports.append(("http.trainer_port", cfg.http.trainer_port))
+        if role in ("actor", "all"):
+            ports.append(("http.actor_port", cfg.http.actor_port))
+        for key, port in ports:
+            if port == 0:
+                continue
+            why = port_free(cfg.http.host, port)
+            if why:
+                out.append(Finding(FAIL, "ports", f"{key} {cfg.http.host}:{port}: {why}"))
+    if role == "actor":
+        if not cfg.actor.peers:
+            out.append(Finding(FAIL, "peers", "actor.peers is empty (or give --peers HOST:PORT)"))
+        for peer in cfg.actor.peers:
+            host, _, port = peer.rpartition(":")
+            try:
+                socket.getaddrinfo(host, int(port))
+                out.append(Finding(OK, "peers", f"trainer {peer} resolves"))
+            except (OSError, ValueError) as e:
+                out.append(Finding(FAIL, "peers", f"trainer address {peer!r} does not resolve: {e}"))
+    return out
+
+
+def check_files(cfg: Config, role: str) -> list[Finding]:
+    out: list[Finding] = []
+    run_dir = Path(cfg.run.run_dir)
+    probe_at = run_dir if run_dir.exists() else next((p for p in run_dir.parents if p.exists()), Path("."))
+    if not os.access(probe_at, os.W_OK):
+        out.append(Finding(FAIL, "run_dir", f"run.run_dir {run_dir}: {probe_at} is not writable"))
+    else:
+        out.append(Finding(OK, "run_dir", f"{run_dir} writable"))
+    if cfg.link.curve_dir and not Path(cfg.link.curve_dir).is_dir():
+        out.append(Finding(FAIL, "link", f"link.curve_dir {cfg.link.curve_dir!r} does not exist "
+                           "(make it with `rlnode keygen DIR`)"))
+    if role in ("actor", "all"):
+        if not cfg.actor.cubes:
+            out.append(Finding(FAIL, "cubes", "actor.cubes is empty: the actor has nothing to train on"))
+        for i, c in enumerate(cfg.actor.cubes):
+            for key in ("path", "train_path", "test_path", "tasks_path"):
+                p = c.options.get(key)
+                if isinstance(p, str) and p and not Path(p).exists():
+                    out.append(Finding(FAIL, "cubes", f"actor.cubes[{i}] ({c.id}).options.{key}: {p} does not exist"))
+        if cfg.actor.cubes:
+            out.append(Finding(OK, "cubes", ", ".join(f"{c.id} ({c.kind})" for c in cfg.actor.cubes)))
+    return out
+
+
+def run_checks(cfg: Config, role: str = "all", gpus: int | None = None) -> list[Finding]:
+    """Every finding for ``role`` on this machine (``gpus``: override the
+    visible GPU count, for tests and for checking a config for another box)."""
+    gpus = visible_gpus() if gpus is None else gpus
+    findings = check_model(cfg)
+    findings += check_devices(cfg, role, gpus)
+    findings += check_network(cfg, role)
+    findings += check_files(cfg, role)
+    return findings
+
+
+def main_check(cfg: Config, role: str, as_json: bool, gpus: int | None = None) -> int:
+    findings = run_checks(cfg, role, gpus)
+    failed = [f for f in findings if f.level == FAIL]
+    if as_json:
+        print(json.dumps({"ok": not failed, "role": role,
+                          "findings": [f.__dict__ for f in findings]}, indent=1))
+    else:
+        width = max(len(f.what) for f in findings)
+        for f in findings:
+            print(f"{f.level:<5} {f.what:<{width}}  {f.detail}")
+        print(f"{'FAILED' if failed else 'ok'}: {len(failed)} problem(s), "
+              f"{sum(f.level == WARN for f in findings)} warning(s) for --role {role}", file=sys.stderr)
+    return 1 if failed else 0

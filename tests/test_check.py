@@ -1,0 +1,134 @@
+"""`rlnode check`: a config is checked against the machine before a run."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rlnode.config import load_config
+from rlnode.ops.check import FAIL, OK, WARN, run_checks
+from rlnode.ops.netaddr import resolve_advertise_host
+
+REPO = Path(__file__).resolve().parent.parent
+QWEN = REPO / "conf" / "qwen3-4b-2node.toml"
+DEMO = REPO / "conf" / "demo.toml"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _sets(model, tmp_path, *extra):
+    return [f"model.path={json.dumps(str(model))}", f"run.run_dir={json.dumps(str(tmp_path / 'run'))}",
+            f"trainer.port={_free_port()}", f"http.trainer_port={_free_port()}", f"http.actor_port={_free_port()}",
+            *extra]
+
+
+def _failed(findings, what=None):
+    return [f for f in findings if f.level == FAIL and (what is None or f.what == what)]
+
+
+def test_demo_config_passes_on_this_machine(tiny_model_dir, tmp_path):
+    cfg = load_config(DEMO, _sets(tiny_model_dir, tmp_path))
+    findings = run_checks(cfg, "all", gpus=0)
+    assert not _failed(findings), findings
+    assert {f.what for f in findings} >= {"model", "gpus", "ports", "rendezvous", "run_dir", "cubes"}
+
+
+def test_the_two_node_config_loads_as_written_and_needs_gpus(tiny_model_dir, tmp_path):
+    cfg = load_config(QWEN)  # the shipped file validates without overrides
+    assert cfg.actor.cubes and cfg.trainer.optim.lr == 1e-6 and cfg.trainer.micro_batch_tokens > 0
+    assert cfg.trainer.precision == "bf16-mixed" and cfg.trainer.advertise_host == "auto"
+    cfg = load_config(QWEN, _sets(tiny_model_dir, tmp_path, "model.max_model_len=1024", "actor.sampling.max_tokens=512"))
+    on_cpu = run_checks(cfg, "trainer", gpus=0)
+    assert any("no visible GPU" in f.detail for f in _failed(on_cpu, "gpus"))
+    assert not _failed(run_checks(cfg, "trainer", gpus=8))
+    assert not _failed(run_checks(cfg, "actor", gpus=8) + [], "gpus")
+    too_few = run_checks(cfg, "actor", gpus=4)
+    assert any("8 engine" in f.detail and "4 GPU" in f.detail for f in _failed(too_few, "gpus"))
+
+
+def test_model_directory_problems_are_named(tiny_model_dir, tmp_path):
+    cfg = load_config(DEMO, _sets(tmp_path / "absent", tmp_path))
+    assert "not a directory" in _failed(run_checks(cfg, "trainer", gpus=0), "model")[0].detail
+    broken = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, broken)
+    for f in broken.glob("tokenizer*"):
+        f.unlink()
+    (broken / "vocab.json").unlink(missing_ok=True)
+    cfg = load_config(DEMO, _sets(broken, tmp_path))
+    assert any("no tokenizer" in f.detail for f in _failed(run_checks(cfg, "trainer", gpus=0), "model"))
+    cfg = load_config(DEMO, _sets(tiny_model_dir, tmp_path, "model.max_model_len=1000000"))
+    assert any("max_position_embeddings" in f.detail for f in _failed(run_checks(cfg, "trainer", gpus=0)))
+
+
+def test_a_taken_port_fails(tiny_model_dir, tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        cfg = load_config(DEMO, _sets(tiny_model_dir, tmp_path) + [f"trainer.port={port}"])
+        failed = _failed(run_checks(cfg, "trainer", gpus=0), "ports")
+    assert failed and str(port) in failed[0].detail
+
+
+def test_loopback_rendezvous_behind_a_public_bind_fails(tiny_model_dir, tmp_path):
+    cfg = load_config(DEMO, _sets(tiny_model_dir, tmp_path, 'trainer.bind_host="0.0.0.0"',
+                                  'trainer.advertise_host="127.0.0.1"'))
+    failed = _failed(run_checks(cfg, "trainer", gpus=0), "rendezvous")
+    assert failed and "loopback" in failed[0].detail
+    # "auto" resolves to an address remote engines can reach, and it passes.
+    cfg.trainer.advertise_host = "auto"
+    host = resolve_advertise_host(cfg)
+    assert host != "127.0.0.1"
+    assert not _failed(run_checks(cfg, "trainer", gpus=0), "rendezvous")
+    cfg.trainer.bind_host = "127.0.0.1"
+    assert resolve_advertise_host(cfg) == "127.0.0.1"
+
+
+def test_a_foreign_rendezvous_address_fails(tiny_model_dir, tmp_path):
+    cfg = load_config(DEMO, _sets(tiny_model_dir, tmp_path, 'trainer.advertise_host="192.0.2.200"',
+                                  'trainer.bind_host="0.0.0.0"'))
+    failed = _failed(run_checks(cfg, "trainer", gpus=0), "rendezvous")
+    assert failed and "not an address of this machine" in failed[0].detail
+
+
+def test_one_gpu_for_trainer_and_engine(tiny_model_dir, tmp_path):
+    sets = _sets(tiny_model_dir, tmp_path, 'actor.engine.device="cuda"', 'trainer.device="cuda"',
+                 "actor.engine.gpu_memory_utilization=0.85")
+    cfg = load_config(DEMO, sets + ['trainer.weights.backend="nccl"'])
+    findings = run_checks(cfg, "all", gpus=1)
+    assert any("NCCL refuses two ranks" in f.detail for f in _failed(findings, "weights"))
+    assert any(f.level == WARN and "gpu_memory_utilization" in f.detail for f in findings)
+    cfg = load_config(DEMO, sets + ["actor.engine.gpu_memory_utilization=0.4"])
+    findings = run_checks(cfg, "all", gpus=1)
+    assert not _failed(findings) and not [f for f in findings if f.level == WARN]
+
+
+def test_cube_data_files_must_exist(tiny_model_dir, tmp_path):
+    missing = tmp_path / "questions.jsonl"
+    cfg = load_config(DEMO, _sets(tiny_model_dir, tmp_path))
+    cfg.actor.cubes[0].options = {"path": str(missing)}
+    failed = _failed(run_checks(cfg, "actor", gpus=0), "cubes")
+    assert failed and str(missing) in failed[0].detail
+
+
+def test_cli_exit_status_and_json(tiny_model_dir, tmp_path):
+    cmd = [sys.executable, "-m", "rlnode", "check", "--config", str(DEMO), "--json", "--for-role", "trainer"]
+    good = subprocess.run(cmd + sum((["--set", s] for s in _sets(tiny_model_dir, tmp_path)), []),
+                          capture_output=True, text=True, timeout=120)
+    assert good.returncode == 0, good.stderr
+    report = json.loads(good.stdout)
+    assert report["ok"] and all(f["level"] in (OK, WARN) for f in report["findings"])
+    bad = subprocess.run(cmd + sum((["--set", s] for s in _sets(tmp_path / "absent", tmp_path)), []),
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 1
+    assert any(f["what"] == "model" and f["level"] == FAIL for f in json.loads(bad.stdout)["findings"])
