@@ -53,7 +53,8 @@ def primary_address() -> str:
 def resolve_advertise_host(cfg: Config) -> str:
     """trainer.advertise_host with "auto" resolved: loopback when the trainer
     only listens on loopback, the bind address when it is a specific one,
-    else this node's primary address."""
+    else this node's primary address (loopback, with a warning, when the
+    node has no other)."""
     t = cfg.trainer
     if t.advertise_host != "auto":
         return t.advertise_host
@@ -61,4 +62,12 @@ def resolve_advertise_host(cfg: Config) -> str:
         return "127.0.0.1"
     if t.bind_host not in ("0.0.0.0", "::", "*", ""):
         return t.bind_host
-    return primary_address()
+    try:
+        return primary_address()
+    except ValueError as e:
+        # Nothing but loopback: no remote actor can reach this node anyway,
+        # and a local one can. `rlnode check` reports it as a failure.
+        from rlnode.log import get_logger
+
+        get_logger("rlnode.trainer").warning("advertise_host.loopback", reason=str(e))
+        return "127.0.0.1"
