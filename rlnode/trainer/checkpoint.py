@@ -1,7 +1,9 @@
 """Checkpoints and the run directory's durable files.
 
 Owns: writing a checkpoint atomically (model, optimizer, lr scheduler,
-version, RNG states, the ids of consumed groups), finding and loading the
+version, RNG states, the ids of consumed groups; weights and every tensor in
+safetensors, the rest JSON/msgpack: nothing is pickled, so loading a
+checkpoint never runs code from it), finding and loading the
 latest one for ``--resume``, pruning old ones, the final Hugging Face policy
 directory, and the append-only ``metrics.jsonl``.
 
@@ -26,6 +28,9 @@ import msgspec
 import numpy as np
 import torch
 
+from rlnode.trainer.state_io import load_state, save_state
+
+TRAINER_STATE = "trainer_state"  # optimizer, lr scheduler, RNG: safetensors + JSON (state_io.py)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja", "generation_config.json")
 
@@ -88,8 +93,10 @@ class CheckpointManager:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         save_hf_policy(model, model_src, tmp / "policy")
-        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                    "rng": rng_state()}, tmp / "trainer_state.pt")
+        # No pickle: tensors in safetensors, the rest JSON (state_io.py).
+        (tmp / TRAINER_STATE).mkdir()
+        save_state(tmp / TRAINER_STATE, {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                                         "rng": rng_state()})
         state = {"step": step, "version": version, "saved_at": time.time(),
                  "consumed_group_ids": consumed_ids, **extra}
         (tmp / "state.json").write_text(json.dumps(state))
@@ -127,7 +134,13 @@ class CheckpointManager:
         missing = [m for m in missing if not (m == "lm_head.weight" and model.config.tie_word_embeddings)]
         if missing or unexpected:
             raise RuntimeError(f"checkpoint {path} does not fit the model: missing={missing} unexpected={unexpected}")
-        trainer_state = torch.load(path / "trainer_state.pt", weights_only=False)
+        if not (path / TRAINER_STATE).is_dir() and (path / "trainer_state.pt").exists():
+            # Written by rlnode before 0.x: a pickle, which can run code on load.
+            raise RuntimeError(
+                f"checkpoint {path} keeps its optimizer state in trainer_state.pt (pickle), which rlnode no "
+                "longer loads: loading a pickle runs whatever code the file holds. Start a new run from its "
+                f"weights instead (model.path = {path / 'policy'})")
+        trainer_state = load_state(path / TRAINER_STATE)
         optimizer.load_state_dict(trainer_state["optimizer"])
         scheduler.load_state_dict(trainer_state["scheduler"])
         set_rng_state(trainer_state["rng"])
