@@ -251,10 +251,22 @@ class WeightSyncConfig(_Section):
 class LinkConfig(_Section):
     """The actor <-> trainer ZeroMQ link (both roles read it)."""
 
-    # CurveZMQ: directory made by `rlnode keygen DIR` (the trainer's key pair,
-    # the actors' key pairs, the list of actor keys the trainer accepts);
-    # empty = no encryption and no authentication.
+    # CurveZMQ: directory made by `rlnode keygen DIR --actor NAME ...` (the
+    # trainer's key pair, one key pair per actor node, the actor keys the
+    # trainer accepts in DIR/authorized/); empty = no encryption and no
+    # authentication, which the trainer refuses on a non-loopback
+    # trainer.bind_host unless `insecure` is set.
     curve_dir: str = ""
+    # Actor: name of this node's key pair in curve_dir (DIR/NAME.key_secret);
+    # empty = the node id (actor.node_id, default the hostname). The trainer
+    # binds authorized/NAME.key to node id NAME and refuses that key from any
+    # other node id, so a name other than the node id fails at start.
+    key_name: str = ""
+    # Trainer: accept actors on a non-loopback trainer.bind_host without
+    # CurveZMQ (anyone who reaches the port can register, deliver groups and
+    # join weight pushes). Logged as a warning at every start and shown in
+    # /status. Only for a network you trust entirely.
+    insecure: bool = False
     # Seconds between heartbeats; a peer silent for peer_timeout_s is gone.
     heartbeat_s: PositiveFloat = 1.0
     peer_timeout_s: PositiveFloat = 10.0
@@ -276,8 +288,10 @@ class ParallelConfig(_Section):
 
 
 class TrainerConfig(_Section):
-    # Address the trainer binds its ZeroMQ socket on.
-    bind_host: str = "0.0.0.0"
+    # Address the trainer binds its ZeroMQ socket on. Loopback by default;
+    # any other address (0.0.0.0 for every interface) needs link.curve_dir
+    # (or link.insecure = true), else the trainer refuses to start.
+    bind_host: str = "127.0.0.1"
     # TCP port of the trainer's ZeroMQ socket (actors' --peers).
     port: Annotated[int, Meta(ge=1, le=65535)] = 5555
     # Address actors' engines use to reach this trainer's weight broadcast
@@ -348,8 +362,15 @@ class HttpConfig(_Section):
     # Serve it at all.
     enabled: bool = True
     # Interface to listen on; loopback by default (put a proxy in front to
-    # expose it).
+    # expose it). Any other host needs `token` or `token_file`, else the
+    # daemon refuses to start.
     host: str = "127.0.0.1"
+    # Bearer token every request except /healthz must carry
+    # (`Authorization: Bearer TOKEN`); empty = none (loopback only). Prefer
+    # token_file to keep the secret out of the config; set at most one.
+    token: str = ""
+    # File holding the token (surrounding whitespace ignored), read at start.
+    token_file: str = ""
     # Ports: the trainer (and `--role all`) uses trainer_port, an actor
     # actor_port; 0 = any free port (logged).
     trainer_port: Annotated[int, Meta(ge=0, le=65535)] = 8470
