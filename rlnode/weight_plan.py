@@ -10,7 +10,9 @@ Owns:
   * the bucket layout (byte offsets inside one flat ``uint8`` buffer per
     bucket) and the pack/unpack helpers for it;
   * ``WeightComm``: the collective transport both ends use on a stateless
-    group (gloo on CPU; NCCL through vLLM's ``PyNcclCommunicator`` on GPU).
+    group (gloo, staging CUDA tensors through CPU memory; NCCL through
+    vLLM's ``PyNcclCommunicator``; CUDA IPC handles over a gloo control
+    channel for engines on the trainer's machine, see ``weight_ipc``).
 
 Must not touch: sockets other than the group's rendezvous, engines, models.
 Importing this module does not import torch (config and wire code import it);
@@ -35,7 +37,7 @@ if TYPE_CHECKING:
 
     import torch
 
-Backend = Literal["gloo", "nccl"]
+Backend = Literal["gloo", "nccl", "cuda_ipc"]
 
 # Byte size of each dtype a plan may carry. Names are torch's
 # (``str(torch.float32)`` without the ``torch.`` prefix).
@@ -152,6 +154,7 @@ class GroupMember(msgspec.Struct, array_like=True, frozen=True):
     actor_id: str  # "<node id>/<engine index>": how the actor finds its entry
     first_rank: int
     num_ranks: int = 1  # the engine's model-parallel workers (tp * pp)
+    host: str = ""  # the engine's machine (weight_ipc.host_identity); "" = unknown
 
 
 class GroupSpec(msgspec.Struct, frozen=True):
@@ -298,16 +301,31 @@ class WeightComm:
     ``torch.distributed.*`` wrappers would look up global ranks that a
     stateless group does not have). nccl: vLLM's ``StatelessProcessGroup``
     (TCPStore rendezvous) + ``PyNcclCommunicator``, as in vLLM's RLHF
-    examples; buffers live on ``device``.
+    examples; buffers live on ``device``. cuda_ipc: a gloo group carries
+    the vote and, per bucket, the IPC handle of rank 0's buffer and the
+    workers' acknowledgement (``weight_ipc``); the bytes never leave the GPU.
+
+    ``device`` is where the data buffers live. gloo moves CPU tensors only:
+    a CUDA buffer is staged through (pinned) CPU memory on either end, so a
+    gloo group works between a cuda trainer and cuda engines (slower than
+    NCCL: two extra copies per bucket). Votes and acknowledgements are CPU
+    tensors except on NCCL.
 
     Blocking: every method waits for the other ranks. Call from a thread.
     """
 
+    # Tests set this to run the CPU staging path with CPU tensors.
+    force_staging = False
+
     def __init__(self, spec: GroupSpec, rank: int, device, listen_socket: socket.socket | None = None):
-        self.spec, self.rank, self.device = spec, rank, device
+        import torch
+
+        self.spec, self.rank, self.device = spec, rank, torch.device(device)
         self._pg = self._nccl = None
+        self._staging: torch.Tensor | None = None  # gloo: CPU copy of CUDA buckets
+        self._ctl_device = self.device if spec.backend == "nccl" else torch.device("cpu")
         timeout = timedelta(seconds=spec.timeout_s)
-        if spec.backend == "gloo":
+        if spec.backend in ("gloo", "cuda_ipc"):
             from vllm.distributed.utils import stateless_init_torch_distributed_process_group
 
             self._pg = stateless_init_torch_distributed_process_group(
@@ -325,8 +343,13 @@ class WeightComm:
                 raise TransferError("NCCL is not available on this host (PyNcclCommunicator disabled)")
 
     def broadcast(self, tensor: torch.Tensor) -> None:
-        """In place, from rank 0 to every rank."""
-        if self._pg is not None:
+        """In place, from rank 0 to every rank (a flat uint8 tensor for
+        cuda_ipc and for staged gloo buckets)."""
+        if self.spec.backend == "cuda_ipc":
+            self._lend(tensor)
+        elif self._pg is not None and (tensor.device.type != "cpu" or self.force_staging):
+            self._staged_broadcast(tensor)
+        elif self._pg is not None:
             self._pg.broadcast(tensor, 0).wait()
         else:
             import torch
@@ -335,11 +358,63 @@ class WeightComm:
             self._nccl.broadcast(tensor, src=0, stream=stream)
             stream.synchronize()
 
+    def _staging_buffer(self, nbytes: int) -> torch.Tensor:
+        """A CPU buffer kept across buckets and updates; pinned when CUDA is
+        there, so the device copies run at full speed."""
+        import torch
+
+        if self._staging is None or self._staging.numel() < nbytes:
+            self._staging = torch.empty(nbytes, dtype=torch.uint8,
+                                        pin_memory=torch.cuda.is_available() and self.device.type == "cuda")
+        return self._staging[:nbytes]
+
+    def _staged_broadcast(self, tensor: torch.Tensor) -> None:
+        """gloo with a tensor gloo cannot take (CUDA): through CPU memory.
+        Synchronous copies (``non_blocking=False``): the staging buffer is
+        reused by the next bucket, and a receiver's device buffer must hold
+        the bytes when this returns (the load reads it on another stream)."""
+        import torch
+
+        flat = tensor.reshape(-1).view(torch.uint8)  # a view: the tensor is contiguous
+        stage = self._staging_buffer(flat.numel())
+        if self.rank == 0:
+            stage.copy_(flat)
+        self._pg.broadcast(stage, 0).wait()
+        if self.rank != 0:
+            flat.copy_(stage)
+
+    def _lend(self, buf: torch.Tensor) -> None:
+        """cuda_ipc: rank 0 lends ``buf`` by handle; the others copy it into
+        their ``buf`` and acknowledge (module docstring of ``weight_ipc``)."""
+        import torch
+
+        from rlnode.weight_ipc import decode_handle, encode_handle, export_handle, open_handle
+
+        if self.rank == 0:
+            blob = torch.frombuffer(bytearray(encode_handle(export_handle(buf))), dtype=torch.uint8)
+        size = self.broadcast_int(blob.numel() if self.rank == 0 else 0)
+        if self.rank != 0:
+            blob = torch.empty(size, dtype=torch.uint8)
+        self._pg.broadcast(blob, 0).wait()
+        if self.rank != 0:
+            try:
+                lent = open_handle(decode_handle(blob.numpy().tobytes()))
+                if lent.numel() != buf.numel():
+                    raise TransferError(f"lent buffer has {lent.numel()} bytes, expected {buf.numel()}")
+                buf.copy_(lent)
+                torch.cuda.current_stream(buf.device).synchronize()
+                del lent  # unmapped (torch's consumer count drops) before the ack
+            except Exception:
+                self.sum_int(1)  # the others learn of it in the same ack
+                raise
+        if self.sum_int(0):
+            raise TransferError("a worker could not copy a bucket lent by CUDA IPC")
+
     def sum_int(self, value: int) -> int:
         """Sum of one int64 over all ranks (the accept/reject vote)."""
         import torch
 
-        t = torch.tensor([value], dtype=torch.int64, device=self.device)
+        t = torch.tensor([value], dtype=torch.int64, device=self._ctl_device)
         if self._pg is not None:
             self._pg.allreduce([t]).wait()
             return int(t.item())
@@ -351,8 +426,11 @@ class WeightComm:
     def broadcast_int(self, value: int) -> int:
         import torch
 
-        t = torch.tensor([value], dtype=torch.int64, device=self.device)
-        self.broadcast(t)
+        t = torch.tensor([value], dtype=torch.int64, device=self._ctl_device)
+        if self._pg is not None:
+            self._pg.broadcast(t, 0).wait()
+        else:
+            self.broadcast(t)
         return int(t.item())
 
     def close(self) -> None:

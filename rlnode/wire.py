@@ -106,11 +106,15 @@ class _Msg(msgspec.Struct, array_like=True, omit_defaults=True):
 
 
 class EngineInfo(_Msg):
-    """One engine of an actor node (inside ``Register``); encodes as the pair
-    ``[engine_id, num_workers]``."""
+    """One engine of an actor node (inside ``Register``); encodes as
+    ``[engine_id, num_workers, host]`` (``[engine_id, num_workers]`` from
+    actors that predate ``host``)."""
 
     engine_id: int
     num_workers: int  # tensor-parallel worker processes: ranks in the weight broadcast
+    # The machine it runs on (rlnode.weight_ipc.host_identity); "" = not said.
+    # The trainer lends weights by CUDA IPC to engines on its own machine.
+    host: str = ""
 
 
 class Register(_Msg, tag="register"):

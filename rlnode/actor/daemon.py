@@ -74,8 +74,8 @@ class ActorDaemon:
         self.incarnation = secrets.token_hex(4)
         ecfg = cfg.actor.engine
         # The weight receiver runs inside each engine's worker processes; it
-        # is only needed when a trainer will push weights.
-        ext = WORKER_EXTENSION if self.peers else None
+        # is only needed when a trainer will push weights (or for the fp32 head).
+        ext = WORKER_EXTENSION if self.peers or ecfg.fp32_lm_head else None
         self.engines = [Engine(i, cfg.model, ecfg, worker_extension_cls=ext) for i in range(ecfg.num_engines)]
         self.link = None
         self._background: set[asyncio.Task] = set()  # control-request handlers in flight
@@ -95,6 +95,7 @@ class ActorDaemon:
         self.groups: asyncio.Queue[Group] = asyncio.Queue()
 
     async def start(self) -> None:
+        from rlnode.actor.weight_receiver import prepare_engine
         from rlnode.cubes.registry import close_cubes, open_cubes
 
         self.cubes = await open_cubes(self.cfg.actor.cubes, self.cfg.run.seed)
@@ -105,6 +106,7 @@ class ActorDaemon:
             for engine in self.engines:
                 await engine.start()
                 started.append(engine)
+                await prepare_engine(engine)
             if self.cubes:
                 self.scheduler = await self._make_scheduler()
             if self.peers:
@@ -134,9 +136,11 @@ class ActorDaemon:
     async def _connect(self) -> None:
         from rlnode.link.actor_link import ActorLink
 
+        from rlnode.weight_ipc import host_identity
+
         tp = self.cfg.actor.engine.tensor_parallel_size
         self.link = ActorLink(trainer_endpoint(self.peers[0]), self.node_id,
-                              [(e.engine_id, tp) for e in self.engines], self.cfg.link,
+                              [(e.engine_id, tp, host_identity()) for e in self.engines], self.cfg.link,
                               incarnation=self.incarnation, stats=self._stats,
                               credit_want=groups_in_flight(self.cfg) if self.scheduler else 0,
                               settled=self._settled if self.scheduler else None)

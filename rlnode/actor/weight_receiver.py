@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from rlnode.actor.weight_tools import refresh_fp32_head, set_fp32_head, weight_digest
 from rlnode.log import get_logger
 from rlnode.weight_plan import (
     GroupSpec,
@@ -197,9 +198,12 @@ class WeightReceiverExtension:
         return tp.rank_in_group + tp.world_size * get_pp_group().rank_in_group
 
     def _rlnode_comm_device(self, backend: str):
-        import torch
-
-        return self.device if backend == "nccl" else torch.device("cpu")
+        # Buckets land on the engine's device before the pause: NCCL and
+        # cuda_ipc write there; gloo receives into CPU memory and copies
+        # (WeightComm stages it), so the load itself copies device to device.
+        if backend == "cuda_ipc" and self.device.type != "cuda":
+            raise PlanMismatch(f"weight backend cuda_ipc needs a cuda engine (this one runs on {self.device})")
+        return self.device
 
     def _rlnode_submit(self, kind: str, fn, *args) -> None:
         state = self._rlnode_state()
@@ -276,14 +280,18 @@ class WeightReceiverExtension:
 
         side = torch.cuda.Stream(comm.device) if comm.device.type == "cuda" else None
         bufs = []
-        # NCCL: a side stream keeps the transfer off the stream the model
-        # runs on, so decoding continues meanwhile.
+        # A side stream keeps the transfer off the stream the model runs on,
+        # so decoding continues meanwhile.
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             for bucket in plan.buckets:
                 buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=comm.device)
                 comm.broadcast(buf)
                 bufs.append(buf)
-        return bufs
+            ready = side.record_event() if side is not None else None
+        # WeightComm synchronises the side stream per bucket already; the
+        # event makes the load (another thread, another stream) wait for the
+        # bytes even if a transport stops doing so: rlnode_load waits on it.
+        return bufs, ready
 
     def rlnode_poll(self) -> tuple[str, str, str]:
         """(kind, state, message); state: idle | running | done | rejected | failed."""
@@ -305,8 +313,12 @@ class WeightReceiverExtension:
         state = self._rlnode_state()
         if state.staged is None or state.staged[0].version != version:
             raise LoadError(f"rlnode: no staged weights for version {version}")
-        plan, bufs = state.staged
+        plan, (bufs, ready) = state.staged
         state.staged = None
+        if ready is not None:
+            import torch
+
+            torch.cuda.current_stream(self.device).wait_event(ready)
         # A tied model has no lm_head tensor of its own; a plan may still
         # carry one (a trainer that sends its state_dict): never load it.
         skip = "lm_head.weight" if self._rlnode_tied() else None
@@ -321,6 +333,7 @@ class WeightReceiverExtension:
         self.model_runner.reload_weights(weights_iterator=weights(), is_checkpoint_format=True)
         t1 = time.perf_counter()
         refreshed = refresh_tied_heads(self.model_runner.get_model())
+        refresh_fp32_head(self.model_runner.get_model())
         if self.device.type == "cuda":
             import torch
 
@@ -329,6 +342,20 @@ class WeightReceiverExtension:
             torch.cuda.synchronize(self.device)
         t2 = time.perf_counter()
         return {"reload_s": t1 - t0, "retie_s": t2 - t1, "retied": float(len(refreshed))}
+
+    def rlnode_fp32_lm_head(self, enable: bool) -> bool:
+        """Compute the lm_head in fp32 from an fp32 copy of its weight
+        (``actor.engine.fp32_lm_head``); False: back to the model dtype.
+        Returns whether an fp32 head is installed."""
+        return set_fp32_head(self.model_runner.get_model(), enable)
+
+    def rlnode_weight_digest(self) -> dict[str, tuple[float, float, str]]:
+        """checkpoint name -> (float64 sum, float64 sum of squares, blake2b
+        of the bytes) of the weights the engine computes with (see
+        ``weight_digest``): compare with ``tensor_digest`` of what the
+        trainer sent. Differences mean the engine holds other weights; equal
+        digests with differing logprobs mean the kernels differ."""
+        return weight_digest(self.model_runner.get_model())
 
     def rlnode_discard(self) -> None:
         self._rlnode_state().staged = None
@@ -448,6 +475,20 @@ async def join_group(engine: Engine, spec: GroupSpec, first_rank: int) -> None:
         await _wait_job(engine, "join", spec.timeout_s + 5.0)
         log.info("weights.joined", engine=engine.engine_id, epoch=spec.epoch, first_rank=first_rank,
                  world_size=spec.world_size, join_s=round(time.monotonic() - t0, 3))
+
+
+async def prepare_engine(engine: Engine) -> None:
+    """After ``engine.start()``: install what the worker extension adds to
+    the model (the fp32 lm_head when ``cfg.fp32_lm_head``). The engine must
+    have been started with ``worker_extension_cls=EXTENSION``."""
+    if engine.cfg.fp32_lm_head:
+        await _rpc(engine, "rlnode_fp32_lm_head", True)
+        log.info("engine.fp32_lm_head", engine=engine.engine_id)
+
+
+async def weight_digest_of(engine: Engine) -> dict[str, tuple[float, float, str]]:
+    """The engine's weight digests (worker 0's; see rlnode_weight_digest)."""
+    return (await _rpc(engine, "rlnode_weight_digest"))[0]
 
 
 async def leave_group(engine: Engine) -> None:

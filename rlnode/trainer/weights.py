@@ -136,10 +136,23 @@ class WeightGuard:
             yield self.version
 
 
-def resolve_backend(cfg: WeightSyncConfig, device: str) -> str:
+def resolve_backend(cfg: WeightSyncConfig, device: str, member_hosts: Sequence[str] = (),
+                    local_host: str | None = None) -> str:
+    """The transport of one group epoch. "auto": a CPU trainer -> gloo; a
+    cuda trainer -> cuda_ipc when every member engine runs on this machine
+    (NCCL refuses two ranks on one GPU, and a shared GPU is the common
+    single-node case), else nccl. ``member_hosts``: each member's
+    ``host_identity()`` ("" when an older actor did not say)."""
     if cfg.backend != "auto":
         return cfg.backend
-    return "nccl" if str(device).startswith("cuda") else "gloo"
+    if not str(device).startswith("cuda"):
+        return "gloo"
+    if local_host is None:
+        from rlnode.weight_ipc import host_identity
+
+        local_host = host_identity()
+    local = bool(member_hosts) and all(h == local_host for h in member_hosts)
+    return "cuda_ipc" if local else "nccl"
 
 
 class WeightBroadcaster:
@@ -150,9 +163,11 @@ class WeightBroadcaster:
         self.cfg = cfg
         self.master_host = cfg.master_host or master_host
         self.device = device
-        self.backend = resolve_backend(cfg, device)
-        if self.backend == "nccl" and not str(device).startswith("cuda"):
-            raise ValueError("weight_sync.backend = nccl needs the trainer's tensors on cuda")
+        # The configured transport; "auto" is decided per epoch (new_epoch),
+        # from where the members run.
+        self.backend = cfg.backend
+        if self.backend in ("nccl", "cuda_ipc") and not str(device).startswith("cuda"):
+            raise ValueError(f"weight_sync.backend = {self.backend} needs the trainer's tensors on cuda")
         self.timeout_s = timeout_s
         # e.g. "bfloat16": halve the bytes when the engine serves bf16 while
         # the trainer keeps fp32 master weights; None = the parameters' dtype.
@@ -169,10 +184,10 @@ class WeightBroadcaster:
 
     # -- epochs ------------------------------------------------------------
 
-    def new_epoch(self, members: Sequence[tuple[str, int]]) -> GroupSpec:
-        """Describe the next group: ``members`` = (actor_id, num_ranks) in
-        rank order. Reserves a fresh port; send the spec to the actors, then
-        ``open_group(spec)`` while they join."""
+    def new_epoch(self, members: Sequence[tuple[str, int] | tuple[str, int, str]]) -> GroupSpec:
+        """Describe the next group: ``members`` = (actor_id, num_ranks[,
+        host]) in rank order. Reserves a fresh port; send the spec to the
+        actors, then ``open_group(spec)`` while they join."""
         if not members:
             raise ValueError("a group epoch needs at least one engine")
         for sock in self._reserved.values():  # specs planned but never opened
@@ -182,10 +197,16 @@ class WeightBroadcaster:
         sock, port = self._reserve_port()
         self._reserved[self.epoch] = sock
         rank, group = 1, []
-        for actor_id, num_ranks in members:
-            group.append(GroupMember(actor_id, rank, num_ranks))
+        for actor_id, num_ranks, *host in members:
+            group.append(GroupMember(actor_id, rank, num_ranks, host[0] if host else ""))
             rank += num_ranks
-        spec = GroupSpec(self.epoch, self.master_host, port, rank, self.backend,  # type: ignore[arg-type]
+        backend = resolve_backend(self.cfg, self.device, [m.host for m in group])
+        if backend == "cuda_ipc":
+            from rlnode.weight_ipc import host_identity
+
+            if remote := [m.actor_id for m in group if m.host != host_identity()]:
+                raise PlanMismatch(f"weight_sync.backend = cuda_ipc: engines {remote} are not on the trainer's host")
+        spec = GroupSpec(self.epoch, self.master_host, port, rank, backend,  # type: ignore[arg-type]
                          tuple(group), self.timeout_s)
         spec.validate()
         return spec
