@@ -62,11 +62,8 @@ class PushFailed(WeightUpdateError):
 
 class WeightPusher:
     def __init__(self, link: TrainerLink, broadcaster: WeightBroadcaster, model, guard: WeightGuard,
-                 request_timeout_s: float = 300.0, max_failures: int = 5, ranks=None):
+                 request_timeout_s: float = 300.0, max_failures: int = 5):
         self.link = link
-        # FSDP ranks (rlnode.trainer.parallel.RankGroup) when the weights are
-        # sharded: every rank takes part in each full-tensor gather.
-        self.ranks = ranks
         self.broadcaster = broadcaster
         self.model = model
         self.guard = guard
@@ -231,9 +228,6 @@ class WeightPusher:
         """Blocking (a worker thread): under the guard, read the version and
         the parameters, hand the plan to the loop, broadcast."""
         with self.guard.reading() as version:
-            if self.ranks is not None:
-                return self.ranks.push(self.broadcaster, version,
-                                       lambda plan: loop.call_soon_threadsafe(_resolve, planned, plan))
             tensors = update_tensors(self.model)
             plan = self.broadcaster.plan(tensors, version)
             loop.call_soon_threadsafe(_resolve, planned, plan)
