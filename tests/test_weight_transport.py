@@ -120,15 +120,16 @@ def test_gloo_staged_through_cpu_carries_every_byte(monkeypatch):
 # The real engine
 
 
-@pytest.fixture(scope="module")
-async def fp32_rig(tmp_path_factory, engine_config):
+@pytest.fixture(scope="module", params=["untied", "tied"])
+async def fp32_rig(request, tmp_path_factory, engine_config):
     from transformers import AutoModelForCausalLM
 
     from rlnode.actor.engine import Engine
     from rlnode.actor.weight_receiver import EXTENSION, engine_num_ranks, join_group
     from rlnode.tiny_model import build_tiny_model
 
-    path = build_tiny_model(tmp_path_factory.mktemp("digest"), tie_embeddings=False, seed=7)
+    tied = request.param == "tied"
+    path = build_tiny_model(tmp_path_factory.mktemp(f"digest-{request.param}"), tie_embeddings=tied, seed=7)
     engine = Engine(0, ModelConfig(path=str(path), max_model_len=1024), engine_config, worker_extension_cls=EXTENSION)
     await engine.start()
     bc = WeightBroadcaster(WeightSyncConfig(backend="gloo", bucket_mb=1, base_port=random.randrange(30000, 60000)),
@@ -153,6 +154,8 @@ def _mismatched(engine_digest: dict, tensors) -> list[str]:
     from rlnode.actor.weight_tools import tensor_digest
 
     sent = {n: tensor_digest(t) for n, t in tensors}
+    if "lm_head.weight" not in sent:  # tied: the head's kernel must serve the embedding
+        sent["lm_head.weight"] = sent["model.embed_tokens.weight"]
     assert sent.keys() <= engine_digest.keys(), sorted(sent.keys() - engine_digest.keys())
     return sorted(n for n in sent if tuple(engine_digest[n])[2] != sent[n][2])
 
@@ -160,9 +163,12 @@ def _mismatched(engine_digest: dict, tensors) -> list[str]:
 @pytest.mark.engine
 async def test_engine_holds_bitwise_what_was_sent_and_digest_finds_a_corrupted_weight(fp32_rig):
     from rlnode.actor.engine import SamplingSettings
-    from rlnode.actor.weight_receiver import weight_digest_of
+    from rlnode.actor.weight_receiver import _rpc, weight_digest_of
 
     engine, bc, hf = fp32_rig
+    # The fp32 head (an fp32 copy of an fp32 weight here): the digest reads
+    # lm_head.weight through it, so a copy not refreshed by a load shows.
+    assert await _rpc(engine, "rlnode_fp32_lm_head", True) == [True]
     gen = torch.Generator().manual_seed(0)
     long = asyncio.ensure_future(engine.generate(list(range(40, 90)), SamplingSettings(max_tokens=200, ignore_eos=True)))
     for version in (1, 2, 3):  # in flight: the long request decodes throughout
