@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import sys
 from typing import Protocol
 
 from rlnode.config import Config
@@ -39,7 +40,8 @@ class Role(Protocol):
 
 
 class Lifecycle:
-    def __init__(self, roles: list[Role], drain_timeout_s: float = 30.0, http: tuple[str, int] | None = None):
+    def __init__(self, roles: list[Role], drain_timeout_s: float = 30.0,
+                 http: tuple[str, int] | tuple[str, int, str] | None = None):
         from rlnode.ops.notify import Notifier
 
         self.roles = roles
@@ -47,7 +49,7 @@ class Lifecycle:
         self.stop = asyncio.Event()
         self._signals = 0
         self.notifier = Notifier()
-        self.http = http  # (host, port) of the ops endpoint, or None
+        self.http = http  # (host, port[, bearer token]) of the ops endpoint, or None
         self.ops = None
 
     def _on_signal(self, signum: int) -> None:
@@ -108,7 +110,8 @@ class Lifecycle:
             return
         from rlnode.ops.http import OpsServer
 
-        self.ops = OpsServer(self.roles, *self.http, notifier=self.notifier)
+        host, port, *token = self.http
+        self.ops = OpsServer(self.roles, host, port, notifier=self.notifier, token=token[0] if token else "")
         await self.ops.start()
 
     async def _report_status(self) -> None:
@@ -210,6 +213,24 @@ def build_roles(cfg: Config, role: str, resume: bool = False) -> list[Role]:
     return roles
 
 
+def _exposure_checked(cfg: Config, role: str) -> tuple[str, int, str] | None:
+    """Refuse, before anything heavy starts, a trainer link or an HTTP
+    endpoint open beyond loopback without authentication (the link and the
+    ops server check again when they start). Returns the ops endpoint
+    (host, port, token), or None when it is disabled."""
+    from rlnode.link.curve import check_bind
+
+    if role in ("trainer", "all"):
+        check_bind(cfg.trainer.bind_host, cfg.link.curve_dir, cfg.link.insecure)
+    if not cfg.http.enabled:
+        return None
+    from rlnode.ops.http import check_exposure, resolve_token
+
+    token = resolve_token(cfg.http)
+    check_exposure(cfg.http.host, token)
+    return cfg.http.host, cfg.http.actor_port if role == "actor" else cfg.http.trainer_port, token
+
+
 def run_daemon(cfg: Config, role: str, resume: bool = False) -> int:
     bind_context(run=cfg.run.name, role=role, node=cfg.actor.node_id or os.uname().nodename)
     try:
@@ -218,9 +239,11 @@ def run_daemon(cfg: Config, role: str, resume: bool = False) -> int:
         runner = uvloop.run
     except ImportError:  # pragma: no cover - uvloop is a dependency
         runner = asyncio.run
-    http = None
-    if cfg.http.enabled:
-        http = (cfg.http.host, cfg.http.actor_port if role == "actor" else cfg.http.trainer_port)
+    try:
+        http = _exposure_checked(cfg, role)
+    except ValueError as e:
+        print(f"rlnode: refusing to start: {e}", file=sys.stderr)
+        return EXIT_USAGE
     # No gc.freeze() before exit, though it would save seconds of final
     # collection on a busy host: frozen objects are never freed, and
     # triton's nanobind module then prints "leaked instances" at every exit.

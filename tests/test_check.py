@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from rlnode.config import load_config
+from rlnode.link import keygen
 from rlnode.ops.check import FAIL, OK, WARN, run_checks
 from rlnode.ops.netaddr import resolve_advertise_host
 
@@ -47,7 +48,11 @@ def test_the_two_node_config_loads_as_written_and_needs_gpus(tiny_model_dir, tmp
     cfg = load_config(QWEN)  # the shipped file validates without overrides
     assert cfg.actor.cubes and cfg.trainer.optim.lr == 1e-6 and cfg.trainer.micro_batch_tokens > 0
     assert cfg.trainer.precision == "bf16-mixed" and cfg.trainer.advertise_host == "auto"
+    assert cfg.link.curve_dir  # it binds 0.0.0.0: the trainer refuses that without keys
     cfg = load_config(QWEN, _sets(tiny_model_dir, tmp_path, "model.max_model_len=1024", "actor.sampling.max_tokens=512"))
+    assert any("/etc/rlnode/curve" in f.detail for f in _failed(run_checks(cfg, "trainer", gpus=8), "link"))
+    keygen(tmp_path / "keys", [socket.gethostname()])
+    cfg.link.curve_dir = str(tmp_path / "keys")
     on_cpu = run_checks(cfg, "trainer", gpus=0)
     assert any("no visible GPU" in f.detail for f in _failed(on_cpu, "gpus"))
     assert not _failed(run_checks(cfg, "trainer", gpus=8))
@@ -119,6 +124,16 @@ def test_cube_data_files_must_exist(tiny_model_dir, tmp_path):
     cfg.actor.cubes[0].options = {"path": str(missing)}
     failed = _failed(run_checks(cfg, "actor", gpus=0), "cubes")
     assert failed and str(missing) in failed[0].detail
+
+
+def test_exposure_without_authentication_fails(tiny_model_dir, tmp_path):
+    cfg = load_config(DEMO, _sets(tiny_model_dir, tmp_path, 'trainer.bind_host="0.0.0.0"', 'http.host="0.0.0.0"'))
+    failed = {f.what: f.detail for f in _failed(run_checks(cfg, "trainer", gpus=0))}
+    assert "rlnode keygen" in failed["link"] and "token" in failed["http"]
+    cfg.link.insecure, cfg.http.token = True, "t"
+    findings = run_checks(cfg, "trainer", gpus=0)
+    assert not _failed(findings, "link") and not _failed(findings, "http")
+    assert any(f.level == WARN and "link.insecure" in f.detail for f in findings)
 
 
 def test_cli_exit_status_and_json(tiny_model_dir, tmp_path):

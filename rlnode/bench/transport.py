@@ -146,7 +146,7 @@ async def _rlnode_round(groups: list[GroupDelivery], link: LinkConfig, conn, end
                                       samples=[msgspec.structs.replace(s, group_id=f"{tag}-{g.group_id}")
                                                for s in g.samples]) for g in groups]
     n = sum(len(g.samples) for g in groups)
-    async with ActorLink(endpoint, "bench", [(0, 1)], link, curve_key="actor") as actor:
+    async with ActorLink(endpoint, "bench", [(0, 1)], link) as actor:
         if not await actor.wait_connected(30):
             raise RuntimeError("benchmark actor could not register with its trainer")
         conn.send(n)
@@ -241,7 +241,7 @@ async def bench_transport(samples: int, tokens: int = 1024, group_size: int = 16
         if curve:
             from rlnode.link.curve import keygen
 
-            keygen(os.path.join(tmp, "keys"))
+            keygen(os.path.join(tmp, "keys"), ["bench"])  # the key of node id "bench"
             links["rlnode+curve"] = LinkConfig(curve_dir=os.path.join(tmp, "keys"))
         stream = os.path.join(tmp, "stream.jsonl")
         walls: dict[str, list[float]] = {name: [] for name in [*links, "jsonl"]}

@@ -108,7 +108,7 @@ class ActorLink:
     """
 
     def __init__(self, trainer: str, node_id: str, engines: Iterable[EngineInfo | tuple[int, int]] = (),
-                 link: LinkConfig | None = None, *, incarnation: str | None = None, curve_key: str = "actor",
+                 link: LinkConfig | None = None, *, incarnation: str | None = None, curve_key: str | None = None,
                  ack_timeout_s: float | None = None, commit_query_s: float = 30.0,
                  max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, sndhwm: int = 256, rcvhwm: int = 1024,
                  stats: Callable[[], dict[str, float]] | None = None, credit_want: int = 0,
@@ -123,7 +123,14 @@ class ActorLink:
             raise ValueError("node_id + incarnation longer than 255 bytes")
         self.engines = [e if isinstance(e, EngineInfo) else EngineInfo(*e) for e in engines]
         self.link = link or LinkConfig()
-        self.curve_key = curve_key
+        # This node's own key pair: the trainer accepts a key only from the
+        # node id it is named after (rlnode.link.curve). ``curve_key`` is for
+        # tools and tests; a config names it with link.key_name.
+        self.curve_key = curve_key or self.link.key_name or node_id
+        if self.link.curve_dir and curve_key is None and self.curve_key != node_id:
+            raise ValueError(f"link.key_name = {self.link.key_name!r} but this node's id is {node_id!r}: the trainer "
+                             f"accepts key {self.link.key_name!r} only from node id {self.link.key_name!r}; set "
+                             f"actor.node_id = {self.link.key_name!r} or leave link.key_name empty")
         # Default: a trainer that has not acked within a peer timeout most
         # likely lost the frame (a reconnect); earlier would resend under load.
         self.ack_timeout_s = ack_timeout_s or self.link.peer_timeout_s
@@ -164,7 +171,7 @@ class ActorLink:
         await self._new_socket()
         self._tick_task = asyncio.create_task(self._tick_loop(), name="actor-link-tick")
         log.info("link.actor.started", trainer=self.trainer, node=self.node_id, incarnation=self.incarnation,
-                 curve=bool(self.link.curve_dir))
+                 curve=bool(self.link.curve_dir), key=self.curve_key if self.link.curve_dir else None)
 
     async def close(self) -> None:
         tasks = [*self._socket_tasks, *([self._tick_task] if self._tick_task else [])]

@@ -8,13 +8,21 @@ Owns the layout of a curve directory and the socket options that use it:
     DIR/NAME.key_secret      actor NAME's secret key (that actor's host only)
     DIR/authorized/NAME.key  the actor public keys the trainer accepts
 
-Revoking an actor = deleting its file from ``authorized/`` and restarting the
-trainer. Must not touch sockets beyond setting their curve options; the ZAP
+Each actor node has its own key pair, named after its node id: the trainer
+binds ``authorized/NAME.key`` to node id NAME (``KeyRing``) and accepts
+frames under node id NAME only from a connection that authenticated with
+that key. Revoking an actor = deleting its file from ``authorized/``: the
+folder is read again at every CURVE handshake, so the node is refused at its
+next connection (and dropped by a running trainer within a heartbeat), no
+restart needed. Adding a key works the same way.
+
+Must not touch sockets beyond setting their curve options; the ZAP
 authenticator itself is started by the trainer link.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import shutil
 from pathlib import Path
@@ -87,6 +95,68 @@ def authorized_dir(directory: str | os.PathLike) -> str:
     return str(auth)
 
 
+class KeyRing:
+    """The actor keys the trainer accepts, read from ``DIR/authorized/`` on
+    every lookup (a handshake or a heartbeat's revocation scan, not a
+    frame), so adding or deleting a key file takes effect without a
+    restart. A key file under two names binds to neither (ambiguous)."""
+
+    def __init__(self, directory: str | os.PathLike):
+        self.auth = Path(authorized_dir(directory))
+
+    def names(self) -> dict[bytes, str]:
+        """Z85 public key -> node id, for every readable ``NAME.key``."""
+        out: dict[bytes, str] = {}
+        ambiguous: set[bytes] = set()
+        for path in sorted(self.auth.glob("*.key")):
+            try:
+                public, _ = zmq.auth.load_certificate(path)
+            except (OSError, ValueError):
+                continue  # deleted while listing, or not a key file: not accepted
+            if public in out:
+                ambiguous.add(public)
+            out[public] = path.stem
+        for key in ambiguous:
+            del out[key]
+        return out
+
+    def name_of(self, z85_public: bytes) -> str | None:
+        return self.names().get(z85_public)
+
+
+def is_loopback(host: str) -> bool:
+    """127.0.0.0/8, ::1 or "localhost" (names are not resolved: a name that
+    happens to resolve to loopback today is not a promise)."""
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class InsecureBindError(CurveError):
+    """A non-loopback trainer bind without CurveZMQ and without
+    ``link.insecure``: refused at start."""
+
+
+def check_bind(host: str, curve_dir: str, insecure: bool) -> bool:
+    """True when the link is exposed without authentication (allowed by
+    ``insecure``: the caller warns); raises InsecureBindError when that is
+    not allowed; False when the bind is loopback or CURVE is on."""
+    if curve_dir or is_loopback(host):
+        return False
+    if insecure:
+        return True
+    raise InsecureBindError(
+        f"trainer.bind_host = {host!r} accepts actors from the network, but link.curve_dir is empty: "
+        "anyone who reaches the port could register, deliver groups and join weight pushes. "
+        "Make keys with `rlnode keygen DIR --actor NODE_ID ...` and set link.curve_dir = \"DIR\" on every "
+        "node, or bind loopback (trainer.bind_host = \"127.0.0.1\"), or, on a network you trust "
+        "entirely, set link.insecure = true")
+
+
 def apply_server(sock: zmq.Socket, directory: str | os.PathLike) -> None:
     """Trainer side: CURVE server with the trainer's key pair."""
     public, secret = _load(Path(directory) / f"{TRAINER}.key_secret", secret=True)
@@ -95,9 +165,9 @@ def apply_server(sock: zmq.Socket, directory: str | os.PathLike) -> None:
     sock.curve_server = True
 
 
-def apply_client(sock: zmq.Socket, directory: str | os.PathLike, name: str = "actor") -> None:
-    """Actor side: this actor's key pair (``NAME.key_secret``) and the
-    trainer's public key (``trainer.key``)."""
+def apply_client(sock: zmq.Socket, directory: str | os.PathLike, name: str) -> None:
+    """Actor side: this actor's own key pair (``NAME.key_secret``, NAME =
+    its node id) and the trainer's public key (``trainer.key``)."""
     root = Path(directory)
     public, secret = _load(root / f"{name}.key_secret", secret=True)
     server_public, _ = _load(root / f"{TRAINER}.key", secret=False)

@@ -1,7 +1,8 @@
 """TrainerLink: the trainer's end of the actor <-> trainer link.
 
-Owns the ROUTER socket, the ZAP authenticator (when ``curve_dir`` is set),
-the peer table, the ids of groups this trainer holds or has consumed, and
+Owns the ROUTER socket, the ZAP authenticator (when ``curve_dir`` is set:
+each authorized key is bound to one node id, ``rlnode.link.curve``), the
+refusal of an unauthenticated non-loopback bind, the peer table, the ids of groups this trainer holds or has consumed, and
 the link counters. Must not touch the training buffer, the optimizer or
 checkpoints: accepted groups leave through ``deliveries``, and the daemon
 reports back with ``mark_consumed`` and persists ``consumed_state()``.
@@ -20,6 +21,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 from zmq.auth.asyncio import AsyncioAuthenticator
+from zmq.utils import z85
 
 from rlnode.config import LinkConfig
 from rlnode.link import DEFAULT_MAX_FRAME_BYTES, LinkError, PeerGone, curve, send_nowait
@@ -49,7 +51,7 @@ class PeerInfo(msgspec.Struct):
     connected: bool  # registered and heard from within peer_timeout_s
     stats: dict[str, float] = {}  # its last heartbeat's stats
     groups: int = 0  # groups accepted from it
-    user_id: str = ""  # CURVE public key (Z85) it authenticated with; "" without curve
+    user_id: str = ""  # name of the authorized key it authenticated with (= node_id); "" without curve
 
 
 class PeerEvent(msgspec.Struct):
@@ -57,7 +59,7 @@ class PeerEvent(msgspec.Struct):
     peer_id: str
     node_id: str
     incarnation: str
-    reason: str = ""  # left: "timeout" | "replaced" (same node, new incarnation) | "closed"
+    reason: str = ""  # left: "timeout" | "replaced" (same node, new incarnation) | "closed" | "revoked"
 
 
 class TrainerLinkCounters(msgspec.Struct):
@@ -76,6 +78,8 @@ class TrainerLinkCounters(msgspec.Struct):
     commits_sent: int = 0  # group ids committed to their actor
     send_failures: int = 0  # messages ZeroMQ did not take (peer queue at HWM, peer gone)
     auth_denied: int = 0  # CURVE handshakes with a key not in authorized/ (ZAP denials)
+    identity_mismatch: int = 0  # frames claiming a node id other than their key's name: rejected
+    revoked: int = 0  # connected peers dropped because their key left authorized/
     peers_joined: int = 0
     peers_left: int = 0
     malformed_by_reason: dict[str, int] = {}
@@ -158,23 +162,40 @@ class TrainerLink:
         self._ctx: zmq.asyncio.Context | None = None
         self._sock: zmq.asyncio.Socket | None = None
         self._auth: AsyncioAuthenticator | None = None
+        self._keyring: curve.KeyRing | None = None
+        self._authorized: set[str] = set()  # node ids with a key in authorized/ at the last scan
+        # Listening beyond loopback without authentication (link.insecure).
+        self.insecure = False
         self._tasks: list[asyncio.Task] = []
 
     # ---- lifecycle -------------------------------------------------------
 
     async def start(self) -> None:
+        """Bind. Raises ``curve.InsecureBindError`` for a non-loopback bind
+        without CurveZMQ unless ``link.insecure``, ``curve.CurveError`` for
+        missing or unreadable keys."""
+        self.insecure = curve.check_bind(_bind_host(self.bind), self.link.curve_dir, self.link.insecure)
         # A private context: the ZAP authenticator is per context, and tests
         # (or `--role all`) may run several links in one process.
         self._ctx = zmq.asyncio.Context()
         sock = self._ctx.socket(zmq.ROUTER)
         try:
             if self.link.curve_dir:
-                self._auth = AsyncioAuthenticator(self._ctx, log=_ZapLog(self.counters))
+                self._keyring = curve.KeyRing(self.link.curve_dir)
+                self._authorized = set(self._keyring.names().values())
+                self._auth = _NodeAuthenticator(self._ctx, self._keyring, self.counters)
                 self._auth.start()
-                self._auth.configure_curve(domain="*", location=curve.authorized_dir(self.link.curve_dir))
                 curve.apply_server(sock, self.link.curve_dir)
+                # No handover with keys: a routing id (node/incarnation) stays
+                # with the connection that holds it, so another node's key
+                # cannot take a live node's pipe (and its replies) by claiming
+                # its id. ZMTP heartbeats reap a dead actor's pipe instead, so
+                # its reconnect gets the id back within peer_timeout_s.
+                sock.heartbeat_ivl = int(self.link.heartbeat_s * 1000)
+                sock.heartbeat_timeout = int(self.link.peer_timeout_s * 1000)
+            else:
+                sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # an actor's reconnect takes over its half-dead pipe
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unknown peer / full queue -> error, not silent drop
-            sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # an actor's reconnect takes over its half-dead pipe
             sock.sndhwm, sock.rcvhwm = self._hwm
             sock.linger = 0  # unsent acks are not worth waiting for: actors resend
             # Hard cap: bigger frames make ZeroMQ drop the connection before
@@ -191,6 +212,11 @@ class TrainerLink:
                        asyncio.create_task(self._tick_loop(), name="trainer-link-tick")]
         log.info("link.trainer.started", endpoint=self.endpoint, incarnation=self.incarnation,
                  curve=bool(self.link.curve_dir), version=self.version)
+        if self.insecure:
+            log.warning("link.trainer.INSECURE", endpoint=self.endpoint,
+                        detail="link.insecure = true: actors connect without CurveZMQ on a non-loopback bind; "
+                               "anyone who reaches this port can register, deliver groups and join weight pushes "
+                               "(set link.curve_dir, made by `rlnode keygen`)")
 
     async def close(self) -> None:
         for t in self._tasks:
@@ -206,10 +232,16 @@ class TrainerLink:
         self._stop_context()
         log.info("link.trainer.stopped", incarnation=self.incarnation, **self._summary())
 
+    def security(self) -> dict:
+        """How this link authenticates actors (for /status)."""
+        return {"curve": bool(self.link.curve_dir), "insecure": self.insecure,
+                "authorized_nodes": sorted(self._authorized)}
+
     def _stop_context(self) -> None:
         if self._auth is not None:
             self._auth.stop()
             self._auth = None
+        self._keyring = None
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
@@ -331,6 +363,8 @@ class TrainerLink:
         if len(frames) != 2:
             return self._malformed(peer_id, "frame_count", f"{len(frames) - 1} frames, expected 1")
         body = frames[1]
+        if self._keyring is not None and (key := _user_id(body)) != peer_id.split("/", 1)[0]:
+            return self._impostor(peer_id, key)
         if len(body) > self.max_frame_bytes:
             return self._malformed(peer_id, "oversize", f"{len(body)} bytes > {self.max_frame_bytes}")
         try:
@@ -374,6 +408,15 @@ class TrainerLink:
                         total=c.malformed_frames)
         self._send(peer_id, Reject(REJECT_MALFORMED, f"{reason}: {detail[:200]}"))
 
+    def _impostor(self, peer_id: str, key: str) -> None:
+        """A frame whose routing id claims a node other than the one its
+        CURVE key is bound to: nothing in it is read."""
+        c = self.counters
+        c.identity_mismatch += 1
+        if c.identity_mismatch <= 10 or c.identity_mismatch % 1000 == 0:
+            log.warning("link.trainer.identity_mismatch", peer=peer_id, key=key, total=c.identity_mismatch)
+        self._send(peer_id, Reject(REJECT_IDENTITY, f"key {key!r} may only speak for node id {key!r}"))
+
     def _unexpected(self, peer_id: str, reason: str, detail: str, group_ids: list[str] = ()) -> None:
         self.counters.unexpected_frames += 1
         log.info("link.trainer.rejected", peer=peer_id, reason=reason, detail=detail)
@@ -387,6 +430,8 @@ class TrainerLink:
                                     f"actor speaks {msg.protocol_version}, trainer {PROTOCOL_VERSION}")
         if not msg.node_id or peer_id != f"{msg.node_id}/{msg.incarnation}":
             return self._unexpected(peer_id, REJECT_IDENTITY, f"socket identity {peer_id!r}")
+        if self._keyring is not None and not self._still_authorized(msg.node_id):
+            return self._unexpected(peer_id, REJECT_IDENTITY, f"key {msg.node_id!r} is no longer authorized")
         old = self._peers.get(peer_id)
         # A node's new incarnation (actor restart) replaces its older entries,
         # so the table stays one row per node.
@@ -540,6 +585,7 @@ class TrainerLink:
             for p in self._connected():
                 if now - self._seen.get(p.peer_id, now) > self.link.peer_timeout_s:
                     self._leave(p, "timeout")
+            self._drop_revoked()
             stats = {"buffered": float(len(self._buffered)), "consumed": float(len(self._consumed))}
             self._grant()
             for p in self._connected():
@@ -547,6 +593,24 @@ class TrainerLink:
                 pc = self.credits.peers.get(p.peer_id)
                 if pc is not None and pc.granted:  # heals a lost grant
                     self._send(p.peer_id, CreditGrant(self.incarnation, pc.granted))
+
+    def _still_authorized(self, node_id: str) -> bool:
+        if node_id not in self._authorized:  # added since the last scan?
+            self._authorized = set(self._keyring.names().values())
+        return node_id in self._authorized
+
+    def _drop_revoked(self) -> None:
+        """A key deleted from authorized/ ends its node's session now, not
+        at its next reconnect: it must register again, which is refused."""
+        if self._keyring is None:
+            return
+        self._authorized = set(self._keyring.names().values())
+        for p in self._connected():
+            if p.node_id not in self._authorized:
+                self.counters.revoked += 1
+                log.warning("link.peer.revoked", peer=p.peer_id)
+                self._leave(p, "revoked")
+                self._send(p.peer_id, Reject(REJECT_IDENTITY, f"key {p.node_id!r} was revoked"))
 
     def _connected(self) -> list[PeerInfo]:
         return [p for p in self._peers.values() if p.connected]
@@ -584,12 +648,41 @@ class TrainerLink:
                 "unexpected": c.unexpected_frames, "send_failures": c.send_failures}
 
 
+def _bind_host(endpoint: str) -> str:
+    """"tcp://HOST:PORT" -> HOST ("[::1]" -> "::1"); other transports
+    (ipc, inproc) never leave the machine: reported as loopback."""
+    if not endpoint.startswith("tcp://"):
+        return "127.0.0.1"
+    return endpoint[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+
+
 def _user_id(frame: zmq.Frame) -> str:
-    """The CURVE public key the ZAP handler accepted for this connection."""
+    """The node id (authorized key name) the ZAP handler bound this
+    connection to; "" without CURVE."""
     try:
         return frame.get("User-Id") or ""
     except (zmq.ZMQError, AttributeError):
         return ""
+
+
+class _NodeAuthenticator(AsyncioAuthenticator):
+    """ZAP handler: accepts a CURVE key iff ``authorized/NAME.key`` holds it
+    at handshake time (the folder is read for every handshake) and gives the
+    connection User-Id NAME, which every frame from it then carries."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, keyring: curve.KeyRing, counters: TrainerLinkCounters):
+        super().__init__(ctx, log=_ZapLog(counters))
+        self.keyring = keyring
+        self._names: dict[bytes, str] = {}
+        self.configure_curve_callback("*", self)
+
+    def callback(self, domain: str, z85_key: bytes) -> bool:
+        self._names = self.keyring.names()
+        return z85_key in self._names
+
+    def curve_user_id(self, client_public_key: bytes) -> str:
+        # Called right after callback() accepted this key, same handshake.
+        return self._names[z85.encode(client_public_key)]
 
 
 class _ZapLog:

@@ -248,7 +248,8 @@ def check_files(cfg: Config, role: str) -> list[Finding]:
         out.append(Finding(OK, "run_dir", f"{run_dir} writable"))
     if cfg.link.curve_dir and not Path(cfg.link.curve_dir).is_dir():
         out.append(Finding(FAIL, "link", f"link.curve_dir {cfg.link.curve_dir!r} does not exist "
-                           "(make it with `rlnode keygen DIR`)"))
+                           "(make it with `rlnode keygen DIR --actor NODE_ID ...`)"))
+    out += check_exposure(cfg, role)
     if role in ("actor", "all"):
         if not cfg.actor.cubes:
             out.append(Finding(FAIL, "cubes", "actor.cubes is empty: the actor has nothing to train on"))
@@ -259,6 +260,40 @@ def check_files(cfg: Config, role: str) -> list[Finding]:
                     out.append(Finding(FAIL, "cubes", f"actor.cubes[{i}] ({c.id}).options.{key}: {p} does not exist"))
         if cfg.actor.cubes:
             out.append(Finding(OK, "cubes", ", ".join(f"{c.id} ({c.kind})" for c in cfg.actor.cubes)))
+    return out
+
+
+def check_exposure(cfg: Config, role: str) -> list[Finding]:
+    """What the daemons refuse at start: a trainer link beyond loopback
+    without keys, key files this role needs, an HTTP endpoint beyond
+    loopback without a token."""
+    from rlnode.link.curve import InsecureBindError, check_bind
+    from rlnode.ops.http import HttpAuthError, check_exposure as check_http, resolve_token
+
+    out: list[Finding] = []
+    link = cfg.link
+    if role in ("trainer", "all"):
+        try:
+            if check_bind(cfg.trainer.bind_host, link.curve_dir, link.insecure):
+                out.append(Finding(WARN, "link", f"link.insecure: trainer.bind_host {cfg.trainer.bind_host} "
+                                   "accepts actors without CurveZMQ"))
+        except InsecureBindError as e:
+            out.append(Finding(FAIL, "link", str(e)))
+    if link.curve_dir and Path(link.curve_dir).is_dir():  # a missing one is reported above
+        root = Path(link.curve_dir)
+        need = []
+        if role in ("trainer", "all"):
+            need += ["trainer.key_secret"] + ([] if any((root / "authorized").glob("*.key")) else ["authorized/*.key"])
+        if role in ("actor", "all"):
+            key = link.key_name or (cfg.actor.node_id or os.uname().nodename).replace("/", "-")
+            need += [f for f in ("trainer.key", f"{key}.key_secret") if f not in need]
+        missing = [f for f in need if "*" not in f and not (root / f).is_file()] + [f for f in need if "*" in f]
+        out.append(Finding(FAIL, "link", f"{root}: missing {', '.join(missing)} (`rlnode keygen` makes them)")
+                   if missing else Finding(OK, "link", f"CurveZMQ keys in {root}"))
+    try:
+        check_http(cfg.http.host, resolve_token(cfg.http) if cfg.http.enabled else "x")
+    except HttpAuthError as e:
+        out.append(Finding(FAIL, "http", str(e)))
     return out
 
 

@@ -11,14 +11,21 @@
               over versions, throughput, lag and router occupancy; it polls
               /history and redraws itself
 
-Owns: the HTTP server, the 1 Hz gauge sampler, the systemd watchdog pings
-(only while healthy). Must not change any role's state: it only reads.
+Access: loopback by default. On any other host every request except
+/healthz must carry ``Authorization: Bearer TOKEN`` (``http.token`` or
+``http.token_file``), and the server refuses to start without a token; a
+configured token is required on loopback too.
+
+Owns: the HTTP server, the bearer-token check, the 1 Hz gauge sampler, the
+systemd watchdog pings (only while healthy). Must not change any role's
+state: it only reads.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import hmac
 import time
 from pathlib import Path
 from typing import Any, Protocol
@@ -27,6 +34,8 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from rlnode.config import HttpConfig
+from rlnode.link.curve import is_loopback
 from rlnode.log import get_logger
 from rlnode.ops.notify import Notifier
 
@@ -36,6 +45,40 @@ PAGE = Path(__file__).with_name("dashboard.html")
 # (name, kind, help, labels, value); kind is "gauge" or "counter" (name
 # without the _total suffix, which the exposition adds).
 Sample = tuple[str, str, str, dict[str, str], float]
+
+
+OPEN_PATHS = frozenset({"/healthz"})  # probes (load balancers, systemd) carry no token
+
+
+class HttpAuthError(ValueError):
+    """An endpoint that would serve beyond loopback without a token, or a
+    token setting that cannot be used: refused at start."""
+
+
+def resolve_token(http: HttpConfig) -> str:
+    """The bearer token from ``http.token`` or ``http.token_file`` ('' =
+    none). Raises HttpAuthError when both are set or the file is unreadable
+    or empty."""
+    if http.token and http.token_file:
+        raise HttpAuthError("http.token and http.token_file are both set: keep one (token_file keeps it out of the TOML)")
+    if not http.token_file:
+        return http.token
+    try:
+        token = Path(http.token_file).read_text().strip()
+    except OSError as e:
+        raise HttpAuthError(f"http.token_file {http.token_file!r}: {e.strerror or e}") from None
+    if not token:
+        raise HttpAuthError(f"http.token_file {http.token_file!r} is empty")
+    return token
+
+
+def check_exposure(host: str, token: str) -> None:
+    """Raises HttpAuthError for a non-loopback host without a token."""
+    if not token and not is_loopback(host):
+        raise HttpAuthError(
+            f"http.host = {host!r} serves /status, /metrics and the live page beyond this machine, "
+            "but no token is set: set http.token_file (a file holding a long random secret, e.g. from "
+            "`openssl rand -hex 32`) or http.token, or serve on loopback (http.host = \"127.0.0.1\")")
 
 
 class Observable(Protocol):
@@ -75,9 +118,10 @@ class _RoleCollector:
 
 class OpsServer:
     def __init__(self, roles: list[Observable], host: str, port: int, notifier: Notifier | None = None,
-                 history_points: int = 3600):
+                 history_points: int = 3600, token: str = ""):
         self.roles = roles
         self.host, self.port = host, port
+        self._token = token.encode()
         self.notifier = notifier or Notifier({})
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_RoleCollector(roles))
@@ -90,7 +134,9 @@ class OpsServer:
     # -- lifecycle ---------------------------------------------------------
 
     async def start(self) -> None:
-        app = web.Application()
+        """Listen. Raises HttpAuthError on a non-loopback host without a token."""
+        check_exposure(self.host, self._token.decode())
+        app = web.Application(middlewares=[self._auth] if self._token else [])
         app.router.add_get("/healthz", self._healthz)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/status", self._status)
@@ -146,6 +192,16 @@ class OpsServer:
             await asyncio.sleep(1.0)
 
     # -- handlers ----------------------------------------------------------
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler):
+        if request.path not in OPEN_PATHS:
+            scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+            # Constant time: the comparison must not leak how much matched.
+            if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self._token):
+                return web.json_response({"error": "unauthorized: send Authorization: Bearer TOKEN"}, status=401,
+                                         headers={"WWW-Authenticate": 'Bearer realm="rlnode"'})
+        return await handler(request)
 
     async def _healthz(self, request: web.Request) -> web.Response:
         ok, reasons = self.health()

@@ -2,7 +2,8 @@
 job, read from each daemon's ``/status`` (the ``[http]`` endpoint).
 
 Exit code: 0 when every daemon answered and is healthy, 1 when one is
-unhealthy, 3 when one is unreachable.
+unhealthy, 3 when one is unreachable or refused the token. An endpoint
+beyond loopback needs its bearer token: ``--token`` or ``RLNODE_HTTP_TOKEN``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ async def fetch(session: aiohttp.ClientSession, peer: str) -> tuple[str, dict | 
     url = peer if "://" in peer else f"http://{peer}"
     try:
         async with session.get(f"{url}/status") as r:
+            if r.status == 401:
+                return peer, None, "401 unauthorized (give --token or set RLNODE_HTTP_TOKEN)"
             return peer, await r.json(), ""
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
         return peer, None, f"{type(e).__name__}: {e}"
@@ -45,8 +48,9 @@ def rows(peer: str, st: dict) -> list[str]:
     return out
 
 
-async def status_main(peers: list[str], timeout_s: float = 5.0) -> int:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
+async def status_main(peers: list[str], timeout_s: float = 5.0, token: str = "") -> int:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s), headers=headers) as session:
         results = await asyncio.gather(*(fetch(session, p) for p in peers))
     print(f"{'node':<24}{'role':<9}{'version':>8}  {'health':<12} detail")
     code = 0
