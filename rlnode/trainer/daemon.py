@@ -327,6 +327,8 @@ class TrainerDaemon:
                         "failures": self.pusher.failures if self.pusher else 0,
                         "last_push_s": self.pusher.last_push_s if self.pusher else 0.0},
             "link": msgspec.to_builtins(self.link.counters) if self.link else {},
+            # insecure = true: a non-loopback bind without CurveZMQ (link.insecure).
+            "security": self.link.security() if self.link else {},
             "credits": self.link.credits.summary() if self.link else {},
         }
 
