@@ -71,4 +71,13 @@ def run_bench(name: str, cfg: Config, args) -> int:
         else:
             print_table(res)
         return 0 if res["crashes"] == 0 and res["counts_match"] else 1
+    if name == "trainer":
+        from rlnode.bench.trainer import bench_trainer, print_table
+
+        res = bench_trainer(cfg, args.tokens_per_step, args.prompt_tokens, args.completion_tokens, args.rounds, log)
+        if args.json:
+            print(msgspec.json.encode(res).decode())
+        else:
+            print_table(res)
+        return 0
     raise SystemExit(f"unknown benchmark {name!r}")

@@ -7,6 +7,16 @@ scored at each sample's sampling temperature (``log_softmax(logits / T)``:
 the distribution the engine sampled from). Blocking: call ``train_step``
 from a worker thread, never on the event loop.
 
+Scale (trainer.* knobs): the parameters are fp32 ("fp32", "bf16-mixed":
+fp32 master weights and AdamW state, bf16 autocast compute, fp32 head) or
+bf16 ("bf16"), whatever the engines' model.dtype (the weight push casts);
+log-probs and entropy are computed ``logprob_chunk_tokens`` at a time
+(scoring.py: no [tokens, vocab] tensor); with ``micro_batch_tokens`` the
+forward rows are bin-packed into token-budget micro-batches, each ONE
+concatenated sequence with position ids restarting per row (no padding,
+no attention across rows); ``activation_checkpointing`` recomputes decoder
+layers in backward.
+
 Must not know about sockets, engines or the run directory.
 """
 
@@ -23,6 +33,8 @@ import torch
 from rlnode.config import Config
 from rlnode.trainer.buffer import Batch
 from rlnode.trainer.loss import LossInputs, policy_loss
+from rlnode.trainer.scoring import (MicroBatch, PackedRow, budget_micro_batches, chunked_logprobs, packed_inputs,
+                                    padded_inputs)
 
 
 @dataclass
@@ -68,14 +80,6 @@ class Scored(NamedTuple):
     entropy: torch.Tensor  # [B, T] entropy of pi over the vocabulary there
 
 
-class PackedRow(NamedTuple):
-    """One forward row: the token sequence and, per sample it scores,
-    (sample index, completion start, completion length)."""
-
-    tokens: np.ndarray
-    spans: list[tuple[int, int, int]]
-
-
 def pack_episodes(samples) -> list[PackedRow]:
     """One row per episode instead of one per LLM call.
 
@@ -108,12 +112,33 @@ def pack_episodes(samples) -> list[PackedRow]:
     return rows
 
 
+# Parameter dtype of the policy per trainer.precision. The engine's dtype
+# (model.dtype) is separate: the weight push casts to it.
+PARAM_DTYPE = {"fp32": torch.float32, "bf16-mixed": torch.float32, "bf16": torch.bfloat16}
+
+
+def attention_implementation(device: torch.device) -> str:
+    """flash_attention_2 on cuda when the flash_attn package is installed
+    (packed micro-batches then run the varlen kernel, no [S, S] mask),
+    else sdpa (packed micro-batches get a block-diagonal boolean mask)."""
+    if device.type == "cuda":
+        import importlib.util
+
+        if importlib.util.find_spec("flash_attn") is not None:
+            return "flash_attention_2"
+    return "sdpa"
+
+
 class Learner:
     """shard: called once on the loaded policy, after activation
     checkpointing is set up and before the optimizer is built, to shard it in
     place (FSDP2, ``rlnode/trainer/parallel.py``). Scoring calls the
     decoder (``model.base_model``) and the head (``model.get_output_embeddings()``)
-    separately, so a sharding must make both callable on their own."""
+    separately, so a sharding must make both callable on their own; the head
+    is called once per ``logprob_chunk_tokens`` chunk and again per chunk in
+    backward (recompute). Under "bf16-mixed" the head runs outside autocast
+    in its parameters' dtype: keep the head's parameters fp32 when sharding
+    (its own MixedPrecisionPolicy) for fp32 logits."""
 
     def __init__(self, cfg: Config, shard=None):
         from transformers import AutoModelForCausalLM
@@ -123,15 +148,23 @@ class Learner:
         self.device = resolve_trainer_device(t.device)
         if self.device.type == "cpu" and t.cpu_threads:
             torch.set_num_threads(t.cpu_threads)
-        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(
-            cfg.model.dtype, torch.float32)
-        self.model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=dtype).to(self.device)
+        self.attn_impl = attention_implementation(self.device)
+        dtype = PARAM_DTYPE[t.precision]
+        self.model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=dtype,
+                                                          attn_implementation=self.attn_impl).to(self.device)
         self.model.train()
+        if t.activation_checkpointing:
+            # Non-reentrant: works with inputs that need no grad (the token
+            # ids) and with FSDP2's hooks; recomputes each decoder layer.
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if shard is not None:
             shard(self.model)
         self.ref_model = None
         if t.loss.kl_coef > 0:
-            self.ref_model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=dtype).to(self.device).eval()
+            # No gradient, no optimizer state: bf16 suffices unless the run is fp32.
+            ref_dtype = torch.float32 if t.precision == "fp32" else torch.bfloat16
+            self.ref_model = AutoModelForCausalLM.from_pretrained(
+                cfg.model.path, dtype=ref_dtype, attn_implementation=self.attn_impl).to(self.device).eval()
             self.ref_model.requires_grad_(False)
         o = t.optim
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=tuple(o.betas),
@@ -148,57 +181,78 @@ class Learner:
         return min(self.model.get_input_embeddings().num_embeddings,
                    self.model.get_output_embeddings().out_features)
 
+    # -- micro-batches ---------------------------------------------------------------
+
+    def forward_rows(self, samples) -> list[PackedRow]:
+        """The forward rows of ``samples`` (spans index ``samples``): one per
+        episode (``pack_episodes``) or one per sample."""
+        if self.cfg.trainer.pack_episodes:
+            return pack_episodes(samples)
+        return [PackedRow(np.concatenate([s.prompt_token_ids, s.completion_token_ids]),
+                          [(i, len(s.prompt_token_ids), len(s.completion_token_ids))])
+                for i, s in enumerate(samples)]
+
+    def micro_batches(self, samples) -> list[MicroBatch]:
+        """How a step's samples split into forward/backward passes:
+        micro_batch_tokens > 0: rows bin-packed to that token budget (each
+        micro-batch one concatenated sequence); else micro_batch_size samples
+        each, in order, one padded row per forward row."""
+        t = self.cfg.trainer
+        if t.micro_batch_tokens > 0:
+            return budget_micro_batches(self.forward_rows(samples), t.micro_batch_tokens)
+        n, mb = len(samples), t.micro_batch_size
+        return [MicroBatch(list(range(i, min(i + mb, n))), self.forward_rows(samples[i : i + mb]))
+                for i in range(0, n, mb)]
+
     # -- scoring -----------------------------------------------------------------
 
-    def _micro_batch(self, samples):
-        """Right-padded [R, L] inputs for the rows that ``pack_episodes``
-        builds; returns (input_ids, attention_mask, rows)."""
-        rows = pack_episodes(samples) if self.cfg.trainer.pack_episodes else [
-            PackedRow(np.concatenate([s.prompt_token_ids, s.completion_token_ids]),
-                      [(i, len(s.prompt_token_ids), len(s.completion_token_ids))])
-            for i, s in enumerate(samples)]
-        L = max(len(r.tokens) for r in rows)
-        ids = torch.zeros(len(rows), L, dtype=torch.long)
-        attn = torch.zeros(len(rows), L, dtype=torch.long)
-        for i, r in enumerate(rows):
-            ids[i, : len(r.tokens)] = torch.from_numpy(r.tokens.astype("int64"))
-            attn[i, : len(r.tokens)] = 1
-        return ids.to(self.device), attn.to(self.device), rows
+    def _autocast(self):
+        return torch.autocast(self.device.type, dtype=torch.bfloat16,
+                              enabled=self.cfg.trainer.precision == "bf16-mixed")
 
-    def token_logprobs(self, model, samples, entropy_grad: bool = False) -> Scored:
+    def token_logprobs(self, model, samples, entropy_grad: bool = False, rows: list[PackedRow] | None = None) -> Scored:
         """log pi(completion token) for every sample, padded to [B, T], with
         the mask and the entropy of pi at each of those tokens (carrying the
-        gradient only when ``entropy_grad``: it is a metric otherwise)."""
-        ids, attn, rows = self._micro_batch(samples)
-        # Index every completion token once: (row, position predicting it)
-        # and where it goes in the [B, T] output (sample k, column t).
-        r_idx, p_idx, k_idx, t_idx, temps = [], [], [], [], []
-        for r, row in enumerate(rows):
+        gradient only when ``entropy_grad``: it is a metric otherwise), all
+        in one forward. ``rows``: the forward rows (spans index
+        ``samples``); default ``forward_rows(samples)``. With
+        micro_batch_tokens > 0 the rows are concatenated into one sequence,
+        else right-padded."""
+        rows = self.forward_rows(samples) if rows is None else rows
+        t = self.cfg.trainer
+        if t.micro_batch_tokens > 0:
+            inp = packed_inputs(rows, self.device, getattr(model.config, "_attn_implementation", "sdpa") or "sdpa")
+        else:
+            inp = padded_inputs(rows, self.device)
+        # Index every completion token once: the flat position predicting it
+        # (logits at j predict token j + 1) and where it goes in the [B, T]
+        # output (sample k, column t).
+        f_idx, k_idx, t_idx, temps = [], [], [], []
+        for off, row in zip(inp.offsets, rows):
             for k, start, n in row.spans:
-                r_idx += [r] * n
-                p_idx += range(start - 1, start - 1 + n)  # logits at j predict token j + 1
+                f_idx += range(off + start - 1, off + start - 1 + n)
                 k_idx += [k] * n
                 t_idx += range(n)
                 temps += [samples[k].temperature] * n
-        r_i, p_i = torch.tensor(r_idx, device=self.device), torch.tensor(p_idx, device=self.device)
-        # The lm_head only where a completion token is predicted, not at every
-        # position: [N, V] instead of [R, L, V] (a 150k vocabulary makes the
-        # full tensor the largest of the step). logits = lm_head(final hidden
-        # state) is how the causal LMs we load compute them.
-        hidden = model.base_model(input_ids=ids, attention_mask=attn).last_hidden_state  # [R, L, H]
-        logits = model.get_output_embeddings()(hidden[r_i, p_i]).float()  # [N, V]
-        logp_all = torch.log_softmax(logits / torch.tensor(temps, device=self.device)[:, None], -1)  # [N, V]
-        lp = logp_all.gather(1, ids[r_i, p_i + 1][:, None])[:, 0]  # [N]
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            h = -(logp_all.exp() * logp_all).sum(-1)  # [N]
+        f_i = torch.tensor(f_idx, dtype=torch.long, device=self.device)
+        with self._autocast():
+            hidden = model.base_model(**inp.kwargs).last_hidden_state  # [R, L, H] or [1, S, H]
+            # The lm_head only where a completion token is predicted, and
+            # chunkwise (scoring.py): never [N, V], let alone [R, L, V].
+            lp, h = chunked_logprobs(model.get_output_embeddings(), hidden.reshape(-1, hidden.shape[-1])[f_i],
+                                     inp.ids[f_i + 1], torch.tensor(temps, device=self.device),
+                                     t.logprob_chunk_tokens, fp32_head=t.precision == "bf16-mixed")  # [N], [N]
+        if not (entropy_grad and torch.is_grad_enabled()):
+            h = h.detach()
         T = max(len(s.completion_token_ids) for s in samples)
-        where = (torch.tensor(k_idx, device=self.device), torch.tensor(t_idx, device=self.device))
+        where = (torch.tensor(k_idx, dtype=torch.long, device=self.device),
+                 torch.tensor(t_idx, dtype=torch.long, device=self.device))
         out = torch.zeros(len(samples), T, device=self.device).index_put(where, lp)
         ent = torch.zeros(len(samples), T, device=self.device).index_put(where, h)
         mask = torch.zeros(len(samples), T)
         for k, s in enumerate(samples):
             mask[k, : len(s.completion_token_ids)] = torch.from_numpy(s.completion_mask.astype("float32"))
-        return Scored(out, mask.to(self.device), ent if entropy_grad else ent.detach())
+        return Scored(out, mask.to(self.device), ent)
 
     # -- one optimizer step ---------------------------------------------------------
 
@@ -211,10 +265,11 @@ class Learner:
         self.optimizer.zero_grad(set_to_none=True)
         total_loss, diff_sum, agg = 0.0, 0.0, {}
         on_policy_max: float | None = None
-        mb = cfg.micro_batch_size
-        for i in range(0, len(samples), mb):
-            part = samples[i : i + mb]
-            logp, mask, entropy = self.token_logprobs(self.model, part, entropy_grad=cfg.loss.entropy_coef > 0)
+        mbs = self.micro_batches(samples)
+        for mb in mbs:
+            part = [samples[i] for i in mb.samples]
+            logp, mask, entropy = self.token_logprobs(self.model, part, entropy_grad=cfg.loss.entropy_coef > 0,
+                                                      rows=mb.rows)
             mu = torch.zeros_like(logp)
             for j, s in enumerate(part):
                 lp = torch.from_numpy(s.completion_logprobs.astype("float32"))
@@ -222,13 +277,15 @@ class Learner:
             ref = None
             if self.ref_model is not None:
                 with torch.no_grad():
-                    ref = self.token_logprobs(self.ref_model, part).logprobs
-            adv = torch.tensor(batch.advantages[i : i + mb], dtype=torch.float32, device=self.device)
+                    ref = self.token_logprobs(self.ref_model, part, rows=mb.rows).logprobs
+            adv = torch.tensor([batch.advantages[i] for i in mb.samples], dtype=torch.float32, device=self.device)
+            # Divided by the whole step's normalizer: the micro-batch losses
+            # (and their gradients) sum to the loss of the step as one batch.
             out = policy_loss(LossInputs(logp, mu, adv, mask, ref, entropy), cfg.loss, normalizer)
             out.loss.backward()
             total_loss += float(out.loss.detach())
             diff_sum += out.metrics["logprob_diff_mean"] * out.metrics["tokens"]
-            lag0 = [j for j in range(len(part)) if batch.lags[i + j] == 0]
+            lag0 = [j for j, i in enumerate(mb.samples) if batch.lags[i] == 0]
             if lag0:
                 d = ((logp.detach() - mu).abs() * mask)[lag0].max().item()
                 on_policy_max = d if on_policy_max is None else max(on_policy_max, d)
@@ -240,6 +297,12 @@ class Learner:
         # In every step's metrics, so a skip shows as a 1 next to its loss.
         extra["nonfinite_skip"] = float(not stepped)
         extra["nonfinite_skips_total"] = float(self.skipped_steps)
+        # Tokens through the decoder (padding included) and passes: what the
+        # micro-batch layout cost this step.
+        extra["micro_batches"] = float(len(mbs))
+        extra["forward_tokens"] = float(sum(
+            mb.tokens if cfg.micro_batch_tokens > 0 else len(mb.rows) * max(len(r.tokens) for r in mb.rows)
+            for mb in mbs))
         return StepMetrics(
             loss=total_loss, grad_norm=grad_norm, lr=self.scheduler.get_last_lr()[0], samples=len(samples),
             tokens=tokens, logprob_diff_mean=diff_sum / max(1, tokens), on_policy_diff_max=on_policy_max, extra=extra,

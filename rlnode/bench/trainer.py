@@ -1,0 +1,245 @@
+"""``rlnode bench trainer``: Learner.train_step against plain transformers +
+torch AdamW, on the same model and the same tokens, in the same run.
+
+A synthetic step of ``tokens_per_step`` tokens: samples of ``prompt_tokens``
++ ``completion_tokens`` random ids, advantages +-1, behaviour log-probs 0.
+
+  (a) rlnode: ``Learner.train_step`` with the config as given (set
+      trainer.precision, micro_batch_tokens, logprob_chunk_tokens,
+      activation_checkpointing with --set; on an H100 try
+      precision=bf16-mixed, micro_batch_tokens=32768,
+      activation_checkpointing=true);
+  (b) baseline: ``model(input_ids, attention_mask).logits`` on right-padded
+      micro-batches of ``micro_batch_size`` samples, full [B, L, V] fp32
+      log-softmax, a REINFORCE loss, backward, AdamW, in the Learner's
+      parameter dtype (and autocast for bf16-mixed).
+
+Reported per mode: tokens/s (prompt + completion tokens of the step per
+second of optimizer step), MFU = 6 * params * tokens / step time / peak
+FLOP/s (None where the device's peak is unknown: CPUs), peak GPU memory,
+and on cuda the largest micro-batch (tokens) that fits, by doubling
+micro_batch_tokens until a step runs out of memory. Medians over
+``rounds`` steps after one warm-up step.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+
+import msgspec
+import numpy as np
+import torch
+
+from rlnode.actor.router import LeaseMetadata
+from rlnode.config import Config
+from rlnode.trainer.buffer import Batch
+from rlnode.wire import TrainingSample, pack_f32, pack_i32
+
+# Dense bf16 tensor-core peak per device (FLOP/s), by a substring of
+# torch.cuda.get_device_name(). Unknown devices report MFU None.
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12}
+
+
+class ModeResult(msgspec.Struct):
+    step_s: float  # median seconds per optimizer step
+    tokens_per_s: float
+    mfu: float | None
+    peak_mem_gib: float | None  # torch.cuda.max_memory_allocated; None on cpu
+    error: str = ""  # e.g. "OOM": the mode could not run this step
+
+
+class TrainerBenchResult(msgspec.Struct):
+    model: str
+    device: str
+    params: int
+    precision: str
+    tokens_per_step: int
+    samples: int
+    prompt_tokens: int
+    completion_tokens: int
+    micro_batch_tokens: int
+    rounds: int
+    rlnode: ModeResult
+    baseline: ModeResult
+    speedup: float | None  # baseline step_s / rlnode step_s
+    memory_ratio: float | None  # rlnode peak / baseline peak
+    max_micro_batch_tokens: int | None  # largest that fit (cuda only)
+
+
+def synthetic_batch(n: int, prompt: int, completion: int, vocab: int, seed: int = 0) -> Batch:
+    rng = np.random.default_rng(seed)
+    samples = []
+    for i in range(n):
+        ids = rng.integers(0, vocab, prompt + completion)
+        samples.append(TrainingSample(
+            sample_id=f"b{i}/e0/0", group_id=f"b{i}", episode_id=f"b{i}/e0", cube_id="bench", task_id="t",
+            step_index=0, prompt_ids=pack_i32(ids[:prompt].tolist()), completion_ids=pack_i32(ids[prompt:].tolist()),
+            logprobs=pack_f32([0.0] * completion), loss_mask=bytes([1]) * completion, reward=0.0,
+            finish_reason="length", termination_reason="done", policy_version=0, temperature=1.0,
+            lease=LeaseMetadata(1, 0, 0.0, 0.0)))
+    adv = [1.0 if i % 2 == 0 else -1.0 for i in range(n)]
+    return Batch(samples, adv, [s.group_id for s in samples], adv, [0.0] * n, [0] * n,
+                 norm_tokens=n * completion, norm_samples=n)
+
+
+def _peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+
+
+def _time(step, rounds: int, device: torch.device) -> tuple[float, float | None]:
+    """Median step seconds after one warm-up, and peak memory (GiB)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(device)
+    step()
+    times = []
+    for _ in range(rounds):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    return statistics.median(times), peak
+
+
+def _is_oom(e: BaseException) -> bool:
+    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def baseline_step_fn(cfg: Config, device: torch.device, dtype: torch.dtype, batch: Batch):
+    """Plain transformers + AdamW: padded micro-batches, full logits."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=dtype).to(device).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.trainer.optim.lr)
+    mixed = cfg.trainer.precision == "bf16-mixed"
+    mb = cfg.trainer.micro_batch_size
+    rows = [np.concatenate([s.prompt_token_ids, s.completion_token_ids]).astype("int64") for s in batch.samples]
+    starts = [len(s.prompt_token_ids) for s in batch.samples]
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        for i in range(0, len(rows), mb):
+            part = rows[i : i + mb]
+            L = max(len(r) for r in part)
+            ids = torch.zeros(len(part), L, dtype=torch.long)
+            attn = torch.zeros(len(part), L, dtype=torch.long)
+            comp = torch.zeros(len(part), L - 1)
+            for j, r in enumerate(part):
+                ids[j, : len(r)] = torch.from_numpy(r)
+                attn[j, : len(r)] = 1
+                comp[j, starts[i + j] - 1 : len(r) - 1] = 1
+            ids, attn, comp = ids.to(device), attn.to(device), comp.to(device)
+            adv = torch.tensor(batch.advantages[i : i + mb], device=device)[:, None]
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=mixed):
+                logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits.float()  # [B, L, V]
+            logp = torch.log_softmax(logits[:, :-1], -1).gather(2, ids[:, 1:, None])[..., 0]  # [B, L-1]
+            (-(adv * logp * comp).sum() / batch.norm_tokens).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+
+    return model, step
+
+
+def _mode(step_s: float, peak: float | None, tokens: int, params: int, flops: float | None) -> ModeResult:
+    return ModeResult(step_s, tokens / step_s, 6 * params * tokens / step_s / flops if flops else None, peak)
+
+
+def bench_trainer(cfg: Config, tokens_per_step: int, prompt_tokens: int, completion_tokens: int, rounds: int,
+                  log) -> TrainerBenchResult:
+    from rlnode.trainer.learner import PARAM_DTYPE, Learner
+
+    learner = Learner(cfg)
+    device, vocab = learner.device, learner.vocab_size
+    params = sum(p.numel() for p in learner.model.parameters())
+    n = max(1, tokens_per_step // (prompt_tokens + completion_tokens))
+    batch = synthetic_batch(n, prompt_tokens, completion_tokens, vocab)
+    tokens = n * (prompt_tokens + completion_tokens)
+    flops = _peak_flops(device)
+    log(f"trainer: {params / 1e6:.1f}M params on {device}, {n} samples x {prompt_tokens}+{completion_tokens} tokens")
+
+    def run(name, step) -> ModeResult:
+        try:
+            step_s, peak = _time(step, rounds, device)
+        except RuntimeError as e:
+            if not _is_oom(e):
+                raise
+            log(f"  {name}: OOM")
+            return ModeResult(float("nan"), 0.0, None, None, error="OOM")
+        log(f"  {name}: {step_s:.3f} s/step")
+        return _mode(step_s, peak, tokens, params, flops)
+
+    ours = run("rlnode", lambda: learner.train_step(batch))
+    largest = _largest_micro_batch(learner, prompt_tokens, completion_tokens, vocab, log) \
+        if device.type == "cuda" else None
+    del learner
+    _free(device)
+    model, step = baseline_step_fn(cfg, device, PARAM_DTYPE[cfg.trainer.precision], batch)
+    base = run("baseline", step)
+    del model, step
+    _free(device)
+    ok = not ours.error and not base.error
+    return TrainerBenchResult(
+        model=cfg.model.path, device=str(device) if device.type == "cpu" else torch.cuda.get_device_name(device),
+        params=params, precision=cfg.trainer.precision, tokens_per_step=tokens, samples=n,
+        prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+        micro_batch_tokens=cfg.trainer.micro_batch_tokens, rounds=rounds, rlnode=ours, baseline=base,
+        speedup=base.step_s / ours.step_s if ok else None,
+        memory_ratio=ours.peak_mem_gib / base.peak_mem_gib if ok and base.peak_mem_gib else None,
+        max_micro_batch_tokens=largest)
+
+
+def _largest_micro_batch(learner, prompt: int, completion: int, vocab: int, log, cap: int = 1 << 20) -> int | None:
+    """Double micro_batch_tokens (one micro-batch of that many tokens per
+    step) until a train_step runs out of memory; the last that ran."""
+    t = learner.cfg.trainer
+    saved, best, budget = t.micro_batch_tokens, None, 4096
+    try:
+        while budget <= cap:
+            t.micro_batch_tokens = budget
+            batch = synthetic_batch(max(1, budget // (prompt + completion)), prompt, completion, vocab, seed=1)
+            try:
+                learner.train_step(batch)
+            except RuntimeError as e:
+                if not _is_oom(e):
+                    raise
+                break
+            finally:
+                learner.optimizer.zero_grad(set_to_none=True)
+                _free(learner.device)
+            best = budget
+            log(f"  micro-batch of {budget} tokens fits")
+            budget *= 2
+    finally:
+        t.micro_batch_tokens = saved
+    return best
+
+
+def print_table(res: TrainerBenchResult) -> None:
+    print(f"\ntrainer benchmark: {res.model} on {res.device}")
+    print(f"  {res.params / 1e6:.1f}M params, precision {res.precision}, {res.samples} samples x "
+          f"{res.prompt_tokens}+{res.completion_tokens} = {res.tokens_per_step} tokens/step, "
+          f"micro_batch_tokens {res.micro_batch_tokens}, median of {res.rounds}")
+    print(f"  {'mode':<10}{'s/step':>10}{'tokens/s':>12}{'MFU':>8}{'peak GiB':>10}")
+    for name, m in (("rlnode", res.rlnode), ("baseline", res.baseline)):
+        mfu = f"{m.mfu:.3f}" if m.mfu is not None else "-"
+        mem = f"{m.peak_mem_gib:.2f}" if m.peak_mem_gib is not None else "-"
+        print(f"  {name:<10}{m.step_s:>10.3f}{m.tokens_per_s:>12.0f}{mfu:>8}{mem:>10}  {m.error}")
+    speed = f"{res.speedup:.2f}x" if res.speedup is not None else "-"
+    mem = f"{res.memory_ratio:.2f}" if res.memory_ratio is not None else "-"
+    print(f"  speedup (baseline / rlnode step time) = {speed}, memory ratio = {mem}, "
+          f"largest micro-batch that fits = {res.max_micro_batch_tokens or '-'} tokens")
