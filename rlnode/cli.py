@@ -4,8 +4,6 @@
     rlnode tiny-model OUT_DIR [--arch ...] [--tie-embeddings] [--seed N] [--layers N --hidden N]
     rlnode bench NAME [--config FILE] [--set ...] [--json]
     rlnode check --config FILE [--for-role R] [--gpus N] [--json]
-    rlnode keygen DIR --actor NODE_ID [--actor NODE_ID ...]
-    rlnode status --peers HOST:PORT,... [--token TOKEN]
 
 Heavy imports (torch, vllm) happen only inside the command that needs them,
 so ``--help`` and config errors are instant.
@@ -19,7 +17,7 @@ import sys
 from rlnode import __version__
 
 ROLES = ("trainer", "actor", "all")
-BENCHES = ("router", "transport", "weights", "async", "fuzz")
+BENCHES = ("router", "transport", "weights", "async", "fuzz", "trainer")
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -77,14 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
     stp.add_argument("--peers", dest="status_peers", required=True, metavar="HOST:PORT,...",
                      help="the daemons' [http] endpoints (trainer_port / actor_port), comma-separated")
     stp.add_argument("--timeout", type=float, default=5.0, help="seconds per daemon (default 5)")
-    stp.add_argument("--token", default=None, metavar="TOKEN",
-                     help="bearer token of endpoints beyond loopback (http.token); default: $RLNODE_HTTP_TOKEN")
 
     kg = sub.add_parser("keygen", help="make CurveZMQ key pairs for the trainer and actors (link.curve_dir)")
     kg.add_argument("dir", metavar="DIR")
-    kg.add_argument("--actor", action="append", metavar="NAME", required=True,
-                    help="actor node to make a key pair for and authorize, named by its node id (actor.node_id, "
-                    "default the hostname); repeatable, one per node")
+    kg.add_argument("--actor", action="append", metavar="NAME",
+                    help="actor key pair to create and authorize (repeatable; default: one named 'actor')")
 
     ck = sub.add_parser("check", help="check a config against this machine (model dir, GPUs, ports, "
                         "rendezvous host, cubes) before a run")
@@ -103,7 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "transport: ZeroMQ link with acks vs a JSONL file stream; "
                        "weights: one in-flight weight update vs a bare gloo broadcast; "
                        "async: wall time to N optimizer steps, pipelined vs sync; "
-                       "fuzz: hostile frames at a live trainer (rejected/s, crashes, steps trained)")
+                       "fuzz: hostile frames at a live trainer (rejected/s, crashes, steps trained); "
+                       "trainer: Learner.train_step vs transformers + AdamW (tokens/s, MFU, peak memory)")
     _add_config_args(bench)
     bench.add_argument("--model", metavar="PATH", help="model directory (overrides model.path)")
     bench.add_argument("--concurrency", type=int, default=32, help="concurrent requests (default 32)")
@@ -113,6 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--samples", type=int, default=2000, help="transport: samples to send (default 2000)")
     bench.add_argument("--steps", type=int, default=10, help="async: optimizer steps per mode (default 10)")
     bench.add_argument("--frames", type=int, default=5000, help="fuzz: frames to send (default 5000)")
+    bench.add_argument("--tokens-per-step", type=int, default=4096,
+                       help="trainer: prompt + completion tokens per optimizer step (default 4096)")
+    bench.add_argument("--prompt-tokens", type=int, default=512, help="trainer: prompt tokens per sample (default 512)")
+    bench.add_argument("--completion-tokens", type=int, default=1536,
+                       help="trainer: completion tokens per sample (default 1536)")
     bench.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     return p
 
@@ -142,21 +143,12 @@ def main(argv: list[str] | None = None) -> int:
         from rlnode.ops.status_cli import status_main
 
         peers = [p.strip() for p in args.status_peers.split(",") if p.strip()]
-        import os
-
-        token = args.token if args.token is not None else os.environ.get("RLNODE_HTTP_TOKEN", "")
-        return asyncio.run(status_main(peers, args.timeout, token))
+        return asyncio.run(status_main(peers, args.timeout))
     if args.command == "keygen":
-        from rlnode.link.curve import CurveError, keygen
+        from rlnode.link.curve import keygen
 
-        try:
-            made = keygen(args.dir, args.actor)
-        except CurveError as e:
-            print(f"rlnode keygen: {e}", file=sys.stderr)
-            return 2
-        print(f"wrote CurveZMQ keys to {args.dir}: copy trainer.key and NODE.key + NODE.key_secret to each actor "
-              f"node ({', '.join(made.actors)}), keep trainer.key_secret on the trainer; set "
-              f"link.curve_dir = \"{args.dir}\" on every node. Revoke a node: delete {args.dir}/authorized/NODE.key")
+        keygen(args.dir, args.actor or ["actor"])
+        print(f"wrote CurveZMQ keys to {args.dir}: set link.curve_dir = \"{args.dir}\" on every node")
         return 0
     if args.command == "eval":
         cfg = _load(args)
