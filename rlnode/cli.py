@@ -4,6 +4,8 @@
     rlnode tiny-model OUT_DIR [--arch ...] [--tie-embeddings] [--seed N] [--layers N --hidden N]
     rlnode bench NAME [--config FILE] [--set ...] [--json]
     rlnode check --config FILE [--for-role R] [--gpus N] [--json]
+    rlnode keygen DIR --actor NODE_ID [--actor NODE_ID ...]
+    rlnode status --peers HOST:PORT,... [--token TOKEN]
 
 Heavy imports (torch, vllm) happen only inside the command that needs them,
 so ``--help`` and config errors are instant.
@@ -75,11 +77,14 @@ def build_parser() -> argparse.ArgumentParser:
     stp.add_argument("--peers", dest="status_peers", required=True, metavar="HOST:PORT,...",
                      help="the daemons' [http] endpoints (trainer_port / actor_port), comma-separated")
     stp.add_argument("--timeout", type=float, default=5.0, help="seconds per daemon (default 5)")
+    stp.add_argument("--token", default=None, metavar="TOKEN",
+                     help="bearer token of endpoints beyond loopback (http.token); default: $RLNODE_HTTP_TOKEN")
 
     kg = sub.add_parser("keygen", help="make CurveZMQ key pairs for the trainer and actors (link.curve_dir)")
     kg.add_argument("dir", metavar="DIR")
-    kg.add_argument("--actor", action="append", metavar="NAME",
-                    help="actor key pair to create and authorize (repeatable; default: one named 'actor')")
+    kg.add_argument("--actor", action="append", metavar="NAME", required=True,
+                    help="actor node to make a key pair for and authorize, named by its node id (actor.node_id, "
+                    "default the hostname); repeatable, one per node")
 
     ck = sub.add_parser("check", help="check a config against this machine (model dir, GPUs, ports, "
                         "rendezvous host, cubes) before a run")
@@ -143,12 +148,21 @@ def main(argv: list[str] | None = None) -> int:
         from rlnode.ops.status_cli import status_main
 
         peers = [p.strip() for p in args.status_peers.split(",") if p.strip()]
-        return asyncio.run(status_main(peers, args.timeout))
-    if args.command == "keygen":
-        from rlnode.link.curve import keygen
+        import os
 
-        keygen(args.dir, args.actor or ["actor"])
-        print(f"wrote CurveZMQ keys to {args.dir}: set link.curve_dir = \"{args.dir}\" on every node")
+        token = args.token if args.token is not None else os.environ.get("RLNODE_HTTP_TOKEN", "")
+        return asyncio.run(status_main(peers, args.timeout, token))
+    if args.command == "keygen":
+        from rlnode.link.curve import CurveError, keygen
+
+        try:
+            made = keygen(args.dir, args.actor)
+        except CurveError as e:
+            print(f"rlnode keygen: {e}", file=sys.stderr)
+            return 2
+        print(f"wrote CurveZMQ keys to {args.dir}: copy trainer.key and NODE.key + NODE.key_secret to each actor "
+              f"node ({', '.join(made.actors)}), keep trainer.key_secret on the trainer; set "
+              f"link.curve_dir = \"{args.dir}\" on every node. Revoke a node: delete {args.dir}/authorized/NODE.key")
         return 0
     if args.command == "eval":
         cfg = _load(args)
