@@ -28,16 +28,17 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -c "import rlnode.cli, vllm, transformers, zmq"
 	touch $@
 
-# System tools the operations tests use: systemd-analyze (unit checks) and
-# headless Chromium (the live page). Installed from Debian's packages when
-# missing and we are root; otherwise those tests skip locally (CI fails).
+# System tools the tests use: systemd-analyze (unit checks), headless
+# Chromium (the live page) and bubblewrap (the python sandbox's isolation;
+# without it python-math refuses snippets). Installed from Debian's packages
+# when missing and we are root; otherwise those tests skip locally (CI fails).
 test-deps:
-	@if ! command -v chromium >/dev/null || ! command -v systemd-analyze >/dev/null; then \
+	@if ! command -v chromium >/dev/null || ! command -v systemd-analyze >/dev/null || ! command -v bwrap >/dev/null; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-	    (apt-get install -y -q chromium systemd >/dev/null 2>&1 || \
-	     (apt-get update -q >/dev/null && apt-get install -y -q chromium systemd >/dev/null)) || \
-	    echo "warning: could not install chromium/systemd; their tests will skip"; \
-	  else echo "note: chromium/systemd-analyze missing; their tests will skip"; fi; \
+	    (apt-get install -y -q chromium systemd bubblewrap >/dev/null 2>&1 || \
+	     (apt-get update -q >/dev/null && apt-get install -y -q chromium systemd bubblewrap >/dev/null)) || \
+	    echo "warning: could not install chromium/systemd/bubblewrap; their tests will skip"; \
+	  else echo "note: chromium/systemd-analyze/bwrap missing; their tests will skip"; fi; \
 	fi
 
 test: setup test-deps

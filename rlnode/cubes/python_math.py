@@ -4,7 +4,9 @@ Python tool.
 Owns: the procedural problems (families in ``FAMILIES``, each derived
 deterministically from (seed, split, index)), the ``run_python`` and
 ``submit_answer`` tools, and exact scoring. Must not run agent code anywhere
-but ``rlnode.cubes.sandbox.run_python`` (one fresh process per call), and
+but ``rlnode.cubes.sandbox.run_python`` (one fresh process per call, isolated
+by the OS: bubblewrap, else unshare; with neither, every run_python call
+fails with a CubeError unless ``sandbox.isolation = "none"`` is set), and
 must not block the event loop: answers are computed in a worker thread.
 
 Splits: a problem belongs to the test split when a hash of its text falls in
@@ -270,7 +272,8 @@ class PythonMathOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     num_test_tasks: Annotated[int, Meta(ge=1, le=1_000_000)] = 200
     # Problem families to draw from, a non-empty subset of FAMILIES.
     families: list[str] = msgspec.field(default_factory=lambda: list(FAMILIES))
-    # Limits of each run_python call (wall/CPU time, memory, output, files).
+    # Limits of each run_python call (wall/CPU time, memory, output, files,
+    # processes) and its OS isolation layer (`isolation`, default "auto").
     sandbox: SandboxLimits = msgspec.field(default_factory=SandboxLimits)
     # Sandboxed runs at once over all episodes of this cube: each is a
     # process, and episodes far outnumber cores.

@@ -14,32 +14,35 @@ Layers, outermost first:
   Wall-clock timeout enforced here; output kept up to ``max_output_bytes``
   per stream, and a snippet that floods more than ``max_drain_bytes`` is
   killed so a flood costs bounded memory and event-loop time.
-* Kernel: a new network namespace (``unshare --net``) when that works on
-  this host; when started as root, the bootstrap drops to uid/gid 65534
-  (nobody) when that user can run Python (both probed once, cached); rlimits
-  on CPU, address space, file size, open files and core dumps (the hook
-  denies raising them; without root the kernel does too).
-* Interpreter: ``python -I -S -B`` (no env vars, no site-packages, no
-  bytecode writes) running ``_BOOTSTRAP``, which installs a
-  ``sys.addaudithook`` policy before the snippet runs: no process creation
-  (fork/exec/spawn/system/subprocess), no signals to other processes, no
-  network (only AF_UNIX socketpairs; no connect, bind or name lookup), no
-  ctypes, no rlimit changes, no gc introspection (the hook's own state stays
-  unreachable); files: write only inside the working directory, read only
-  there and in the Python installation's library directories; a budget on
-  files created. Primitives that raise no audit event (mknod, chroot,
-  pidfd_open, _posixsubprocess.fork_exec, ...) are removed or stubbed.
+* OS isolation (the security boundary): ``rlnode.cubes.isolation`` wraps the
+  interpreter in bubblewrap (namespaces, a read-only minimal filesystem view,
+  a private bounded tmpfs as the only writable place, no network, an
+  unprivileged kernel uid), else ``unshare`` namespaces and the drop to
+  nobody, else refuses to run; ``isolation = "none"`` only when an operator
+  sets it. See that module for exactly what each layer shows the snippet.
+* Kernel limits, set by the bootstrap before the snippet's first
+  instruction and enforced by the kernel: CPU time, address space, file
+  size, open files, processes and threads (RLIMIT_NPROC: per run under bwrap,
+  not enforced for a root child, i.e. under ``isolation = "none"`` as root),
+  no core dumps. The snippet cannot raise them: it has no CAP_SYS_RESOURCE.
+  Worst-case memory of one run is ``max_processes * memory_mib``.
 
-This is defense in depth for buggy or reward-hacking model code, not a
-boundary against a determined attacker (a CPython sandbox cannot be one):
-where the kernel layers are unavailable (no ``unshare``, cannot drop root)
-it rests on the audit hook alone. Use a container or VM for hostile input.
+Trusted: the kernel, bwrap/unshare/setpriv, this module and the bootstrap
+up to the ``exec`` of the snippet. Not trusted, and not a security layer:
+everything the snippet can reach in its interpreter, including the
+bootstrap's ``sys.addaudithook`` policy. That hook (no process creation,
+network, ctypes, rlimit changes or gc introspection; files only in the
+working dir and the stdlib; a budget on files created) exists to turn
+common mistakes into a clear message ("network sockets are not allowed")
+fast. A snippet can defeat it from inside (it can rewrite the hook's
+closure cells through a caught exception's traceback, or load a fresh copy
+of a stubbed extension module); tests/test_sandbox.py does both and checks
+that the OS layer still holds.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import os
 import shutil
 import signal
@@ -50,11 +53,10 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
-MiB = 1 << 20
+from rlnode.cubes import isolation
+from rlnode.cubes.isolation import Isolation, SandboxUnavailable
 
-# uid/gid the snippet runs as when we start as root: the kernel's overflow
-# id, i.e. "nobody" on every Linux distribution.
-NOBODY = 65534
+MiB = 1 << 20
 
 # Exit status the bootstrap uses for an uncaught MemoryError.
 _EXIT_MEMORY = 117
@@ -86,11 +88,20 @@ class SandboxLimits(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_files_created: Annotated[int, Meta(ge=0, le=1_000_000)] = 64
     # Open file descriptors (RLIMIT_NOFILE).
     max_open_files: Annotated[int, Meta(ge=16, le=65536)] = 64
-    # Run in a new network namespace (`unshare --net`) when that works here.
+    # Accepted for old configs and ignored: every isolation layer but "none"
+    # isolates the network and runs the snippet unprivileged.
     isolate_network: bool = True
-    # When started as root, run the snippet as uid/gid 65534 (nobody) when
-    # that user can start Python here.
     drop_privileges: bool = True
+    # OS isolation: "auto" = bwrap, else unshare (root only), else refuse to
+    # run (SandboxError); "bwrap"/"unshare" = that layer or refuse; "none" =
+    # no isolation, the snippet runs as the daemon's user behind the audit
+    # hook only (which is no security boundary): an explicit operator choice.
+    isolation: Isolation = "auto"
+    # Processes and threads the snippet may have at once (RLIMIT_NPROC);
+    # bounds a fork bomb. Memory of a run is at most this * memory_mib.
+    max_processes: Annotated[int, Meta(ge=1, le=1024)] = 8
+    # Size of the private tmpfs /tmp that holds the working dir (bwrap), MiB.
+    tmp_mib: Annotated[int, Meta(ge=1, le=4096)] = 64
 
     def __post_init__(self):
         if self.max_drain_bytes < self.max_output_bytes:
@@ -114,10 +125,13 @@ class SandboxResult(msgspec.Struct, kw_only=True):
     pid: int
     network_isolated: bool
     privileges_dropped: bool
+    # The OS layer it ran under: "bwrap", "unshare" or "none".
+    isolation: str = ""
 
 
 # The child's program. Runs as `python -I -S -B -c _BOOTSTRAP cpu mem fsize
-# nofile max_created uid` with the snippet on stdin and cwd = working dir.
+# nofile max_created uid nproc` with the snippet on stdin and cwd = working
+# dir. Its audit hook is a friendly error, not a security layer (see above).
 # The first line marks sandbox processes in `ps`.
 _BOOTSTRAP = r'''# rlnode-sandbox bootstrap (rlnode.cubes.sandbox)
 import posix, resource, sys
@@ -145,11 +159,11 @@ WRITES = frozenset(("os.mkdir", "os.rmdir", "os.remove", "os.rename", "os.trunca
                     "os.lchflags"))
 
 
-def limit(cpu, mem, fsize, nofile):
+def limit(cpu, mem, fsize, nofile, nproc):
     R = resource
     for res, soft, hard in ((R.RLIMIT_CPU, cpu, cpu + 1), (R.RLIMIT_AS, mem, mem),
                             (R.RLIMIT_FSIZE, fsize, fsize), (R.RLIMIT_NOFILE, nofile, nofile),
-                            (R.RLIMIT_CORE, 0, 0)):
+                            (R.RLIMIT_NPROC, nproc, nproc), (R.RLIMIT_CORE, 0, 0)):
         R.setrlimit(res, (soft, hard))
 
 
@@ -308,13 +322,13 @@ def make_hook(workdir, roots, max_created):
 
 
 def boot():
-    cpu, mem, fsize, nofile, max_created, uid = (int(a) for a in sys.argv[1:7])
+    cpu, mem, fsize, nofile, max_created, uid, nproc = (int(a) for a in sys.argv[1:8])
     workdir, roots = posix.getcwd(), read_roots()
     drop_and_disarm(uid)
     code = sys.stdin.buffer.read()  # stdin stays at EOF: input() raises EOFError
     with open("main.py", "wb") as f:  # so tracebacks show source lines
         f.write(code)
-    limit(cpu, mem, fsize, nofile)  # after main.py, which may exceed max_file_bytes
+    limit(cpu, mem, fsize, nofile, nproc)  # after main.py, which may exceed max_file_bytes
     sys.stdout.reconfigure(line_buffering=True)  # partial output survives a kill
     sys.addaudithook(make_hook(workdir, roots, max_created))
     return code
@@ -360,60 +374,27 @@ BOOT = globals()
 run(boot())
 ''' % {"exit_memory": _EXIT_MEMORY}
 
-# Host capabilities, probed once per interpreter path: {(what, exe): ok}.
-_probes: dict[tuple[str, str], bool] = {}
 # Cleanups still running after their run_python was cancelled (kept alive).
 _cleanups: set[asyncio.Task] = set()
 
 
-@functools.cache
-def _unshare_bin() -> str | None:
-    return shutil.which("unshare")
-
-
-async def _exits_zero(argv: list[str]) -> bool:
-    """Run a probe command; True when it exits 0 within 10 s."""
-    try:
-        proc = await asyncio.create_subprocess_exec(
-            *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.DEVNULL, cwd="/", start_new_session=True)
-    except OSError:
-        return False
-    try:
-        async with asyncio.timeout(10):
-            return await proc.wait() == 0
-    except TimeoutError:
-        _kill_group(proc.pid)
-        await proc.wait()
-        return False
-
-
-async def _probe(what: str, exe: str) -> bool:
-    key = (what, exe)
-    if key not in _probes:
-        if what == "netns":
-            unshare = _unshare_bin()
-            argv = [unshare, "--net", "--", exe, "-I", "-S", "-c", "pass"] if unshare else None
-        else:  # "drop": can nobody read the stdlib once we are nobody?
-            code = (f"import posix; posix.setgroups([]); posix.setgid({NOBODY}); posix.setuid({NOBODY}); "
-                    "import fractions, json.decoder")
-            argv = [exe, "-I", "-S", "-B", "-c", code]
-        # Concurrent first calls may both probe; the answers agree.
-        _probes[key] = argv is not None and await _exits_zero(argv)
-    return _probes[key]
-
-
-async def _command(limits: SandboxLimits) -> tuple[list[str], bool, bool]:
-    """argv for the child, and whether it gets a network namespace and drops root."""
+async def _command(limits: SandboxLimits, workdir: str) -> tuple[list[str], isolation.Wrap, str, dict[str, str]]:
+    """argv for the child, its wrapper, and the working dir and env it sees."""
     exe = sys.executable
     if not exe:
         raise SandboxError("no Python interpreter to run snippets with (sys.executable is empty)")
-    net = limits.isolate_network and await _probe("netns", exe)
-    drop = limits.drop_privileges and os.geteuid() == 0 and await _probe("drop", exe)
-    prefix = [_unshare_bin(), "--net", "--"] if net else []
+    try:
+        layer = await isolation.choose(limits.isolation, exe)
+    except SandboxUnavailable as e:
+        raise SandboxError(str(e)) from e
+    inside = "/tmp/" + os.path.basename(workdir) if layer == "bwrap" else workdir
+    env = {"PATH": "/usr/bin:/bin", "LC_ALL": "C.UTF-8", "HOME": inside, "TMPDIR": inside}
+    wrap = isolation.wrap(layer, exe, inside, env, limits.tmp_mib * MiB)
+    if layer == "bwrap":
+        exe = isolation.interpreter(exe)
     args = (limits.cpu_seconds, limits.memory_mib * MiB, limits.max_file_bytes, limits.max_open_files,
-            limits.max_files_created, NOBODY if drop else -1)
-    return [*prefix, exe, "-I", "-S", "-B", "-c", _BOOTSTRAP, *map(str, args)], net, drop
+            limits.max_files_created, wrap.drop_uid, limits.max_processes)
+    return [*wrap.prefix, exe, "-I", "-S", "-B", "-c", _BOOTSTRAP, *map(str, args)], wrap, inside, env
 
 
 def _kill_group(pid: int) -> None:
@@ -501,6 +482,14 @@ async def _cleanup(proc, tasks: list[asyncio.Task], root: str) -> None:
     await asyncio.shield(task)
 
 
+def _exit_status(returncode: int | None, wrapped: bool) -> int | None:
+    """The snippet's exit status: bwrap and unshare report a child killed by
+    signal N as 128 + N; negative (N) as for an unwrapped child."""
+    if wrapped and returncode is not None and 128 < returncode < 128 + signal.NSIG:
+        return 128 - returncode
+    return returncode
+
+
 def _classify(returncode: int | None, reason: str | None) -> str | None:
     if reason is not None:
         return reason
@@ -519,21 +508,20 @@ async def run_python(code: str, limits: SandboxLimits | None = None) -> SandboxR
     """Run ``code`` in a fresh sandboxed interpreter; never raises for what
     the code does (SandboxError only when the sandbox cannot start)."""
     limits = limits or SandboxLimits()
-    argv, net, drop = await _command(limits)
     loop = asyncio.get_running_loop()
     # One mkdir: cheaper than a thread hop, and the cleanup must own the dir
-    # before the first await.
+    # before the first await. Under bwrap it only names the run's private dir.
     try:
         root = os.path.realpath(tempfile.mkdtemp(prefix="rlnode-sandbox-"))
     except OSError as e:
         raise SandboxError(f"cannot create the sandbox's working directory: {e}") from e
     proc, tasks = None, []
     try:
-        env = {"PATH": "/usr/bin:/bin", "LC_ALL": "C.UTF-8", "HOME": root, "TMPDIR": root}
+        argv, wrap, inside, env = await _command(limits, root)
         start = loop.time()
         try:
-            if drop:
-                os.chown(root, NOBODY, NOBODY)
+            if wrap.drop_uid >= 0:
+                os.chown(root, wrap.drop_uid, wrap.drop_uid)
             proc = await asyncio.create_subprocess_exec(
                 *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE, cwd=root, env=env, start_new_session=True)
@@ -544,12 +532,14 @@ async def run_python(code: str, limits: SandboxLimits | None = None) -> SandboxR
         tasks = [asyncio.ensure_future(c) for c in
                  (_feed(proc.stdin, data), out.pump(proc.stdout), err.pump(proc.stderr), proc.wait())]
         reason = await _watch(proc, tasks, limits, (out, err))
-        killed = _classify(proc.returncode, reason)
+        status = _exit_status(proc.returncode, wrap.layer != "none")
+        killed = _classify(status, reason)
         return SandboxResult(
-            stdout=out.text(), stderr=err.text(), exit_code=proc.returncode,
+            stdout=out.text(), stderr=err.text(), exit_code=status,
             timed_out=killed in ("wall_timeout", "cpu_limit"), killed_reason=killed,
             stdout_truncated=out.truncated, stderr_truncated=err.truncated,
             duration_s=round(loop.time() - start, 4), pid=proc.pid,
-            network_isolated=net, privileges_dropped=drop)
+            network_isolated=wrap.network_isolated, privileges_dropped=wrap.privileges_dropped,
+            isolation=wrap.layer)
     finally:
         await _cleanup(proc, tasks, root)

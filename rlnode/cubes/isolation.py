@@ -1,0 +1,256 @@
+"""OS-level isolation of sandboxed snippets: which layer wraps the child, and
+its command line. The security boundary of ``rlnode.cubes.sandbox`` lives
+here; the bootstrap's audit hook there is only a friendly error message.
+
+Owns: the choice of layer (probed once per interpreter and layer, cached,
+logged once), the argv prefix that puts the interpreter inside it, and the
+uid the snippet runs as. Must not touch the caller's process (no rlimits,
+uid or cwd changes here: every restriction is applied by the wrapper or by
+the child's bootstrap before the snippet's first instruction).
+
+Layers, strongest first (``SandboxLimits.isolation``):
+
+* ``bwrap``: bubblewrap. New pid, net (loopback only), ipc, uts (and cgroup)
+  namespaces; a read-only view of /usr, /lib*, /bin and the Python
+  installation (its site-packages hidden) and nothing else: no /etc, /home,
+  /root, /work, run dir or daemon files; /proc of the new pid namespace; a
+  minimal /dev; a size-bounded private tmpfs /tmp holding the working dir,
+  the only writable place. Empty environment but PATH/LC_ALL/HOME/TMPDIR.
+  The snippet's kernel uid is unprivileged, so RLIMIT_NPROC holds: a
+  root daemon runs bwrap privileged (no user namespace) and ``setpriv``
+  switches to a fresh uid from ``UID_BASE`` (one per run, so concurrent runs
+  do not share a process count) with no capabilities, an empty bounding set
+  and no_new_privs; a non-root daemon runs bwrap in a user namespace as
+  65534, where the kernel counts processes per namespace. ``--die-with-
+  parent`` and the pid namespace end every process of the run when bwrap
+  dies.
+* ``unshare``: util-linux ``unshare`` (root only): new net, pid (own /proc),
+  ipc and uts namespaces and the bootstrap's drop to 65534 (nobody); files
+  are protected only by nobody's permissions, not by a private view.
+* ``none``: the bare child, as the daemon's user. Only as an explicit
+  operator choice; logged as an error at first use.
+
+``auto`` takes the first layer that works and refuses (SandboxError) when
+neither does: snippets never run behind the audit hook alone by default.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import random
+import shutil
+import sys
+import sysconfig
+from typing import Literal
+
+import msgspec
+
+from rlnode.log import get_logger
+
+log = get_logger("rlnode.cubes.sandbox")
+
+Isolation = Literal["auto", "bwrap", "unshare", "none"]
+Layer = Literal["bwrap", "unshare", "none"]
+
+# uid/gid 65534: the kernel's overflow id, "nobody" everywhere.
+NOBODY = 65534
+# Kernel uids for snippets of a root daemon under bwrap: one drawn per run
+# from [UID_BASE, UID_BASE + UID_SPAN), owned by no file on the host.
+UID_BASE, UID_SPAN = 1_200_000_000, 1 << 24
+
+
+class SandboxUnavailable(RuntimeError):
+    """No isolation layer that the configuration allows works on this host."""
+
+
+class Wrap(msgspec.Struct, frozen=True):
+    layer: Layer
+    # argv that precedes the interpreter's own argv.
+    prefix: list[str]
+    # uid the bootstrap drops to (-1: none; the wrapper did or there is no need).
+    drop_uid: int
+    network_isolated: bool
+    privileges_dropped: bool
+
+
+# {(layer, exe): works}, probed once per interpreter.
+_works: dict[tuple[str, str], bool] = {}
+# Layers already logged, so the choice appears once per process.
+_logged: set[tuple[str, str]] = set()
+
+
+def interpreter(exe: str) -> str:
+    """The real interpreter binary (a venv's ``python`` is a symlink to it)."""
+    return os.path.realpath(exe)
+
+
+def _python_dirs(real_exe: str) -> tuple[list[str], list[str]]:
+    """Directories to show read-only (the installation) and to hide under an
+    empty tmpfs (its site-packages: -S never loads them)."""
+    base = os.path.realpath(sys.base_prefix)
+    show = [base]
+    exe_dir = os.path.dirname(os.path.dirname(real_exe))
+    if not real_exe.startswith(base + "/"):
+        show.append(exe_dir)
+    hide = []
+    for root in show:
+        for key in ("purelib", "platlib"):
+            p = os.path.realpath(sysconfig.get_path(key, vars={"base": root, "platbase": root}))
+            if os.path.isdir(p) and p not in hide:
+                hide.append(p)
+    return [d for d in show if not d.startswith("/usr/")], hide
+
+
+def _system_binds() -> list[str]:
+    args = ["--ro-bind", "/usr", "/usr"]
+    for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
+        if os.path.islink(top):
+            args += ["--symlink", os.readlink(top), top]
+        elif os.path.isdir(top):
+            args += ["--ro-bind", top, top]
+    return args
+
+
+@functools.cache
+def _bwrap_bin() -> str | None:
+    return shutil.which("bwrap")
+
+
+@functools.cache
+def _unshare_bin() -> str | None:
+    return shutil.which("unshare")
+
+
+@functools.cache
+def _setpriv_bin() -> str | None:
+    return shutil.which("setpriv")
+
+
+def bwrap_prefix(real_exe: str, workdir: str, env: dict[str, str], tmp_bytes: int) -> list[str]:
+    """bwrap argv for one run; ``workdir`` is the path inside, on the tmpfs."""
+    bwrap = _bwrap_bin()
+    if bwrap is None:
+        raise SandboxUnavailable("bwrap not found")
+    args = [bwrap, "--die-with-parent", "--new-session", "--clearenv"]
+    root = os.geteuid() == 0
+    if root:
+        # Privileged bwrap, no user namespace: setpriv below moves the
+        # snippet to an unprivileged kernel uid, where RLIMIT_NPROC holds.
+        args += ["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
+                 "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+    else:
+        args += ["--unshare-all", "--uid", str(NOBODY), "--gid", str(NOBODY)]
+    for k, v in env.items():
+        args += ["--setenv", k, v]
+    args += _system_binds()
+    show, hide = _python_dirs(real_exe)
+    for d in show:
+        # bwrap would create missing parents with the host's modes (/root is
+        # 0700): the snippet's uid must be able to pass through them.
+        parents, p = [], d
+        while (p := os.path.dirname(p)) != "/":
+            parents.insert(0, p)
+        for parent in parents:
+            args += ["--perms", "0755", "--dir", parent]
+    for d in show:
+        args += ["--ro-bind", d, d]
+    for d in hide:
+        args += ["--tmpfs", d]
+    args += ["--proc", "/proc", "--dev", "/dev",
+             "--size", str(tmp_bytes), "--perms", "1777", "--tmpfs", "/tmp",
+             "--perms", "0777", "--dir", workdir, "--chdir", workdir, "--remount-ro", "/", "--"]
+    if root:
+        setpriv = _setpriv_bin()
+        if setpriv is None:
+            raise SandboxUnavailable("setpriv (util-linux) not found")
+        uid = str(UID_BASE + random.randrange(UID_SPAN))
+        args += [setpriv, "--reuid", uid, "--regid", uid, "--clear-groups", "--bounding-set", "-all",
+                 "--inh-caps", "-all", "--no-new-privs", "--"]
+    return args
+
+
+def unshare_prefix() -> list[str]:
+    unshare = _unshare_bin()
+    if unshare is None or os.geteuid() != 0:
+        raise SandboxUnavailable("unshare needs root here")
+    return [unshare, "--net", "--pid", "--ipc", "--uts", "--fork", "--kill-child", "--mount-proc", "--"]
+
+
+async def _exits_zero(argv: list[str]) -> bool:
+    """Run a probe command; True when it exits 0 within 10 s."""
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.DEVNULL, cwd="/", start_new_session=True)
+    except OSError:
+        return False
+    try:
+        async with asyncio.timeout(10):
+            return await proc.wait() == 0
+    except TimeoutError:
+        try:
+            os.killpg(proc.pid, 9)
+        except ProcessLookupError:
+            pass
+        await proc.wait()
+        return False
+
+
+def _probe_argv(layer: Layer, real_exe: str) -> list[str]:
+    # The probe imports what snippets need, as the uid they will run as, and
+    # checks that the interpreter found its own stdlib (not the host's).
+    if layer == "bwrap":
+        prefix = bwrap_prefix(real_exe, "/tmp/probe", {"PATH": "/usr/bin:/bin"}, 1 << 20)
+        code = f"import fractions, json.decoder, sys; assert sys.prefix == {sys.base_prefix!r}"
+        return [*prefix, real_exe, "-I", "-S", "-B", "-c", code]
+    code = (f"import posix; posix.setgroups([]); posix.setgid({NOBODY}); posix.setuid({NOBODY}); "
+            "import fractions, json.decoder")
+    return [*unshare_prefix(), real_exe, "-I", "-S", "-B", "-c", code]
+
+
+async def works(layer: Layer, exe: str) -> bool:
+    key = (layer, exe)
+    if key not in _works:
+        try:
+            argv = _probe_argv(layer, interpreter(exe))
+        except SandboxUnavailable:
+            ok = False
+        else:
+            ok = await _exits_zero(argv)
+        _works[key] = ok  # concurrent first calls may both probe; they agree
+    return _works[key]
+
+
+async def choose(requested: Isolation, exe: str) -> Layer:
+    """The layer for ``requested``, or SandboxUnavailable; logged once."""
+    if requested == "none":
+        layer: Layer = "none"
+    else:
+        candidates: tuple[Layer, ...] = ("bwrap", "unshare") if requested == "auto" else (requested,)
+        for layer in candidates:
+            if await works(layer, exe):
+                break
+        else:
+            raise SandboxUnavailable(
+                f"no OS isolation for snippets (isolation={requested!r}; tried {', '.join(candidates)}): "
+                "install bubblewrap (apt-get install bubblewrap), or set isolation = \"none\" to run "
+                "snippets unisolated, as the daemon's user")
+    if (requested, layer) not in _logged:
+        _logged.add((requested, layer))
+        if layer == "none":
+            log.error("sandbox.isolation", layer=layer, requested=requested,
+                      warning="snippets run UNISOLATED as the daemon's user; the audit hook is no boundary")
+        else:
+            log.info("sandbox.isolation", layer=layer, requested=requested)
+    return layer
+
+
+def wrap(layer: Layer, exe: str, workdir: str, env: dict[str, str], tmp_bytes: int) -> Wrap:
+    """How to start one run under ``layer`` (already chosen by ``choose``)."""
+    if layer == "bwrap":
+        return Wrap("bwrap", bwrap_prefix(interpreter(exe), workdir, env, tmp_bytes), -1, True, True)
+    if layer == "unshare":
+        return Wrap("unshare", unshare_prefix(), NOBODY, True, True)
+    return Wrap("none", [], -1, False, False)
