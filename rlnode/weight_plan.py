@@ -326,11 +326,10 @@ class WeightComm:
         self._ctl_device = self.device if spec.backend == "nccl" else torch.device("cpu")
         timeout = timedelta(seconds=spec.timeout_s)
         if spec.backend in ("gloo", "cuda_ipc"):
-            from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+            from rlnode.actor import vllm_compat
 
-            self._pg = stateless_init_torch_distributed_process_group(
-                spec.master_host, spec.master_port, rank, spec.world_size, "gloo",
-                listen_socket=listen_socket, timeout=timeout)
+            self._pg = vllm_compat.stateless_gloo_group(
+                spec.master_host, spec.master_port, rank, spec.world_size, timeout, listen_socket=listen_socket)
         else:
             from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
             from vllm.distributed.utils import StatelessProcessGroup

