@@ -122,3 +122,91 @@ def test_two_ranks_step_like_one_rank(model_dir, hf_model):
         assert (w2b[n] - w1b[n]).abs().max() < 3e-5, n
     assert m2b.loss == pytest.approx(m1b.loss, abs=1e-6)
     assert any((w1b[n] - w1[n]).abs().max() > 1e-4 for n in w1)  # the step moved the weights
+
+
+def test_push_gathers_full_tensors_in_plan_order_and_a_cut_push_does_not_hang(model_dir, hf_model):
+    """A real gloo weight broadcast from a 2-rank trainer to a receiver
+    thread: it receives every parameter, equal to the gathered full
+    weights, named as a 1-rank push names them."""
+    import queue
+    import threading
+
+    from test_weights import _receiver, _sync_cfg
+    from rlnode.trainer.weights import WeightBroadcaster, update_tensors
+    from rlnode.weight_plan import encode, keep_stdout
+
+    cfg = _cfg(model_dir)
+    expected_names = [n for n, _ in update_tensors(Learner(cfg).model)]
+    grp = RankGroup.start(cfg, 2)
+    got, plans, joined = [], queue.Queue(), threading.Event()
+    try:
+        batch = _batch(hf_model)  # (never call the sharded model outside a command: rank 1 would not join)
+        grp.train_step(batch)  # weights no longer those of the file
+        bc = WeightBroadcaster(_sync_cfg(bucket_mb=1), master_host="127.0.0.1", timeout_s=30)
+        spec = bc.new_epoch([("n/0", 1)])
+        thread = threading.Thread(target=_receiver, args=(spec, joined, plans, [False], got))
+        with keep_stdout():
+            thread.start()
+            bc.open_group(spec)
+            assert joined.wait(30)
+        stats = grp.push(bc, 7, lambda plan: plans.put(encode(plan)))
+        thread.join(60)
+        bc.close_group()
+        full = _gather_all(grp, False)
+        # A push that stops consuming half-way (a failed broadcast): the
+        # other rank's gathers are drained, and the next step runs.
+        names = list(full)
+        with grp.gathering(names) as it:
+            next(it)
+        m = grp.train_step(batch)
+    finally:
+        grp.close()
+    assert stats.version == 7 and stats.tensors == len(expected_names)
+    received = got[0]
+    assert sorted(received) == sorted(expected_names)
+    for n, t in received.items():
+        assert torch.equal(t, full[n]), n
+    assert m.samples == len(batch.samples) and m.loss == m.loss
+
+
+def _pids_alive(pids) -> list[int]:
+    alive = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().split(")")[-1].split()[0] != "Z":
+                    alive.append(pid)
+        except FileNotFoundError:
+            pass
+    return alive
+
+
+def test_close_leaves_no_child_and_killing_rank0_ends_the_children(tiny_model_dir, tmp_path):
+    grp = RankGroup.start(_cfg(tiny_model_dir), 2)
+    pids = [p.pid for p in grp.procs]
+    assert _pids_alive(pids) == pids
+    grp.close()
+    assert _pids_alive(pids) == []
+
+    # Rank 0 in its own process, killed with SIGKILL: no Stop command, no close().
+    script = ("import sys, time\n"
+              "from rlnode.config import load_config\n"
+              "from rlnode.trainer.parallel import RankGroup\n"
+              f"g = RankGroup.start(load_config(None, ['model.path={tiny_model_dir}', 'trainer.device=\"cpu\"',"
+              " 'trainer.cpu_threads=1']), 3)\n"
+              "print('PIDS', *(p.pid for p in g.procs), flush=True)\n"
+              "time.sleep(600)\n")
+    rank0 = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                             start_new_session=True)
+    try:
+        children = next([int(x) for x in line.split()[1:]] for line in rank0.stdout if line.startswith("PIDS"))
+        assert len(children) == 2 and _pids_alive(children) == children
+        os.kill(rank0.pid, signal.SIGKILL)
+        rank0.wait()
+        deadline = time.monotonic() + 10
+        while _pids_alive(children) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _pids_alive(children) == []
+    finally:
+        if rank0.poll() is None:
+            os.killpg(rank0.pid, signal.SIGKILL)

@@ -49,6 +49,7 @@ class TrainerDaemon:
         self.version = 0
         self.step = 0
         self.learner = None
+        self.ranks = None  # rlnode.trainer.parallel.RankGroup when trainer.parallel gives > 1 rank
         self.link = None
         self.pusher = None
         loss = cfg.trainer.loss
@@ -72,12 +73,17 @@ class TrainerDaemon:
         from rlnode.link.validate import GroupLimits
         from rlnode.trainer.checkpoint import CheckpointManager, MetricsWriter
         from rlnode.trainer.learner import Learner
+        from rlnode.trainer.parallel import RankGroup, resolve_ranks
         from rlnode.trainer.sync import WeightPusher
         from rlnode.trainer.weights import WeightBroadcaster, WeightGuard
 
         t = self.cfg.trainer
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.learner = await asyncio.to_thread(Learner, self.cfg)
+        if (ranks := resolve_ranks(self.cfg)) > 1:  # FSDP2: this process is rank 0
+            self.ranks = await asyncio.to_thread(RankGroup.start, self.cfg, ranks)
+            self.learner = self.ranks.learner
+        else:
+            self.learner = await asyncio.to_thread(Learner, self.cfg)
         self.checkpoints = CheckpointManager(self.run_dir, t.keep_checkpoints)
         consumed: dict | list = []  # rlnode.link.consumed state (a plain list in older checkpoints)
         restored_ids: list[str] = []
@@ -96,7 +102,8 @@ class TrainerDaemon:
         broadcaster = WeightBroadcaster(t.weights, master_host=master, device=str(self.learner.device),
                                         timeout_s=t.weights.timeout_s)
         self.pusher = WeightPusher(self.link, broadcaster, self.learner.model, WeightGuard(self.version),
-                                   request_timeout_s=t.weights.timeout_s + 30, max_failures=t.weights.max_failures)
+                                   request_timeout_s=t.weights.timeout_s + 30, max_failures=t.weights.max_failures,
+                                   ranks=self.ranks)
         set_version(self.version)
         log.info("trainer.started", bind=self.link.endpoint, version=self.version, run_dir=str(self.run_dir),
                  resumed=self.resume, device=str(self.learner.device))
@@ -108,8 +115,7 @@ class TrainerDaemon:
         if path is None:
             log.warning("trainer.resume_without_checkpoint", run_dir=str(self.run_dir))
             return [], []
-        L = self.learner
-        state = await asyncio.to_thread(self.checkpoints.load, path, L.model, L.optimizer, L.scheduler)
+        state = await asyncio.to_thread(self.checkpoints.load, path, *self._state_views())
         self.version, self.step = state["version"], state["step"]
         restored = await asyncio.to_thread(self.checkpoints.load_buffer, path)
         for g in restored:
@@ -191,7 +197,8 @@ class TrainerDaemon:
         arrives mid-step waits for it, so the model, the version and the set
         of consumed groups (saved in the checkpoint) always agree."""
         # Under the weight guard: no push reads the parameters mid-step.
-        step = asyncio.ensure_future(asyncio.to_thread(self.pusher.guard.step, self.learner.train_step, batch))
+        train = self.ranks.train_step if self.ranks is not None else self.learner.train_step
+        step = asyncio.ensure_future(asyncio.to_thread(self.pusher.guard.step, train, batch))
         try:
             m = await asyncio.shield(step)
         except asyncio.CancelledError:
@@ -256,12 +263,19 @@ class TrainerDaemon:
 
     # -- checkpoints and shutdown ---------------------------------------------------
 
+    def _state_views(self) -> tuple:
+        """(model, optimizer, scheduler) as checkpoints read and write them:
+        with FSDP ranks, stand-ins that gather / broadcast full states."""
+        if self.ranks is not None:
+            return self.ranks.checkpoint_views()
+        return self.learner.model, self.learner.optimizer, self.learner.scheduler
+
     async def checkpoint(self) -> None:
-        L = self.learner
+        model, optimizer, scheduler = self._state_views()
         consumed = self.link.consumed_state(self.pending_commit)
         buffered = self.buffer.snapshot()
         path = await asyncio.to_thread(
-            self.checkpoints.save, self.step, self.version, L.model, L.optimizer, L.scheduler,
+            self.checkpoints.save, self.step, self.version, model, optimizer, scheduler,
             self.cfg.model.path, consumed, {"run": self.cfg.run.name}, buffered)
         # Only now are these groups durable here (trained, or saved in the
         # checkpoint's buffer): their actors may forget them.
@@ -279,13 +293,15 @@ class TrainerDaemon:
                 await self.checkpoint()
             if self.learner is not None and self.step > 0:
                 final = self.run_dir / "final"
-                await asyncio.to_thread(save_hf_policy, self.learner.model, self.cfg.model.path, final)
+                await asyncio.to_thread(save_hf_policy, self._state_views()[0], self.cfg.model.path, final)
                 log.info("trainer.final_policy", path=str(final), version=self.version)
         finally:
             if self.pusher is not None:
                 await asyncio.to_thread(self.pusher.broadcaster.close_group)
             if self.link is not None:
                 await self.link.close()
+            if self.ranks is not None:
+                await asyncio.to_thread(self.ranks.close)
             if hasattr(self, "metrics"):
                 self.metrics.close()
             log.info("trainer.stopped", step=self.step, version=self.version)

@@ -519,6 +519,23 @@ class RankGroup:
                 for i in range(done[0], len(names)):
                     self.rank0.full(names[i], grads)
 
+    def push(self, broadcaster, version: int, on_plan) -> object:
+        """Blocking, under the caller's WeightGuard: plan the update from
+        the full shapes (in the engine's dtype under bf16-mixed: fp32 master
+        weights, cast per tensor), hand the plan to ``on_plan``, and
+        broadcast it while every rank gathers one full tensor at a time in
+        the plan's order."""
+        from rlnode.weight_plan import torch_dtype
+
+        engine = self.cfg.model.dtype
+        mixed = self.cfg.trainer.precision == "bf16-mixed" and engine != "auto"
+        dtype = torch_dtype(engine) if mixed else None
+        plan = broadcaster.plan(self.tensor_metas(dtype), version)
+        on_plan(plan)
+        order = [t for b in plan.buckets for t in b.tensors]
+        with self.gathering([t.name for t in order], [torch_dtype(t.dtype) for t in order]) as tensors:
+            return broadcaster.broadcast(plan, tensors)
+
     # -- checkpoints: full state dicts on rank 0 ------------------------------
 
     def full_model_state(self) -> dict[str, torch.Tensor]:

@@ -62,8 +62,11 @@ class PushFailed(WeightUpdateError):
 
 class WeightPusher:
     def __init__(self, link: TrainerLink, broadcaster: WeightBroadcaster, model, guard: WeightGuard,
-                 request_timeout_s: float = 300.0, max_failures: int = 5):
+                 request_timeout_s: float = 300.0, max_failures: int = 5, ranks=None):
         self.link = link
+        # FSDP ranks (rlnode.trainer.parallel.RankGroup) when the weights are
+        # sharded: every rank takes part in each full-tensor gather.
+        self.ranks = ranks
         self.broadcaster = broadcaster
         self.model = model
         self.guard = guard
@@ -199,7 +202,7 @@ class WeightPusher:
     async def _reform(self, live: dict[str, tuple[str, list]]) -> None:
         self.members = live
         # Members are named "<node id>/<engine id>": how an actor finds its ranks.
-        engines = [(f"{node}/{e.engine_id}", e.num_workers, e.host) for node, es in live.values() for e in es]
+        engines = [(f"{node}/{e.engine_id}", e.num_workers) for node, es in live.values() for e in es]
         spec = self.broadcaster.new_epoch(engines)
         blob = base64.b64encode(encode(spec)).decode()  # the payload carries text, not bytes
         own = asyncio.ensure_future(self.broadcaster.open_group_async(spec))
@@ -228,6 +231,9 @@ class WeightPusher:
         """Blocking (a worker thread): under the guard, read the version and
         the parameters, hand the plan to the loop, broadcast."""
         with self.guard.reading() as version:
+            if self.ranks is not None:
+                return self.ranks.push(self.broadcaster, version,
+                                       lambda plan: loop.call_soon_threadsafe(_resolve, planned, plan))
             tensors = update_tensors(self.model)
             plan = self.broadcaster.plan(tensors, version)
             loop.call_soon_threadsafe(_resolve, planned, plan)
