@@ -210,3 +210,43 @@ def test_close_leaves_no_child_and_killing_rank0_ends_the_children(tiny_model_di
     finally:
         if rank0.poll() is None:
             os.killpg(rank0.pid, signal.SIGKILL)
+
+
+def test_checkpoints_move_between_two_ranks_and_one(model_dir, hf_model, tmp_path):
+    """Full-state checkpoints in the 1-rank format: a 2-rank checkpoint
+    resumes on 1 rank and a 1-rank one on 2 ranks, and the next step is
+    the same on both (weights, AdamW moments and the lr schedule came
+    across)."""
+    from rlnode.trainer.checkpoint import CheckpointManager
+
+    cfg = _cfg(model_dir, "trainer.optim.warmup_steps=3")
+    batch = _batch(hf_model)
+    one = Learner(cfg)
+    grp = RankGroup.start(cfg, 2)
+    try:
+        grp.train_step(batch)
+        path = CheckpointManager(tmp_path / "a").save(1, 1, *grp.checkpoint_views(), str(model_dir), [], {}, [])
+        CheckpointManager(tmp_path / "a").load(path, one.model, one.optimizer, one.scheduler)
+        assert one.scheduler.last_epoch == 1
+        w2 = _gather_all(grp, False)
+        for n, p in one.model.named_parameters():
+            assert torch.equal(p.detach(), w2[n]), n
+        m1, m2 = one.train_step(batch), grp.train_step(batch)
+        assert m2.loss == pytest.approx(m1.loss, abs=1e-6) and m2.lr == m1.lr
+    finally:
+        grp.close()
+    back = CheckpointManager(tmp_path / "b").save(2, 2, one.model, one.optimizer, one.scheduler, str(model_dir),
+                                                  [], {}, [])
+    grp = RankGroup.start(cfg, 2)
+    try:
+        CheckpointManager(tmp_path / "b").load(back, *grp.checkpoint_views())
+        w2 = _gather_all(grp, False)
+        for n, p in one.model.named_parameters():
+            assert torch.equal(p.detach(), w2[n]), n
+        m1, m2 = one.train_step(batch), grp.train_step(batch)
+        w2 = _gather_all(grp, False)
+    finally:
+        grp.close()
+    assert m2.loss == pytest.approx(m1.loss, abs=1e-6) and m2.lr == m1.lr
+    for n, p in one.model.named_parameters():
+        assert (p.detach() - w2[n]).abs().max() < 3e-5, n

@@ -53,6 +53,7 @@ from rlnode.wire import TrainingSample
 
 log = get_logger("rlnode.trainer.parallel")
 
+STOP_SEND_S = 10.0  # how long close() waits to hand the children a Stop
 STOP_WAIT_S = 20.0  # how long close() waits for children to exit before SIGKILL
 PARENT_POLL_S = 0.5  # children check that the daemon still lives this often
 
@@ -561,7 +562,8 @@ class RankGroup:
             self.rank0.load_model(state)
 
     def load_optimizer_state(self, sd: dict) -> None:
-        names = {i: n for n, i in self._param_ids().items()}
+        # A tied Parameter under its first name, as parameters() lists it.
+        names = dict(enumerate(n for n, _ in self.model.named_parameters()))
         fqn = {"state": {names[int(i)]: v for i, v in sd["state"].items()},
                "param_groups": [{**g, "params": [names[int(i)] for i in g["params"]]} for g in sd["param_groups"]]}
         with self._lock:
@@ -569,9 +571,8 @@ class RankGroup:
             self.rank0.load_optimizer(fqn)
 
     def load_scheduler_state(self, sd: dict) -> None:
-        state = {k: v for k, v in sd.items() if k != "lr_lambdas"}
-        with self._lock:
-            send_command(LoadScheduler(state), self.rank0.ctl)
+        with self._lock:  # (a LambdaLR's lr_lambdas are None: its lambdas are functions)
+            send_command(LoadScheduler(dict(sd)), self.rank0.ctl)
         self.learner.scheduler.load_state_dict(sd)
 
     def _param_ids(self) -> dict[str, int]:
@@ -587,6 +588,13 @@ class RankGroup:
 
     # -- shutdown ---------------------------------------------------------------
 
+    def _send_stop(self) -> None:
+        try:
+            with self._lock:
+                send_command(Stop(), self.rank0.ctl)
+        except Exception as e:  # a child died: the kill in close() ends the rest
+            log.warning("trainer.ranks_stop_failed", error=repr(e))
+
     def close(self) -> None:
         """Stop the children (a Stop command, then SIGKILL after
         STOP_WAIT_S) and leave the process group."""
@@ -594,12 +602,15 @@ class RankGroup:
             return
         self.closed = True
         if self.rank0 is not None and all(p.poll() is None for p in self.procs):
-            try:
-                with self._lock:
-                    send_command(Stop(), self.rank0.ctl)
-            except Exception as e:  # a child died: the kill below ends the rest
-                log.warning("trainer.ranks_stop_failed", error=repr(e))
-        deadline = time.monotonic() + STOP_WAIT_S
+            # In a thread: after a failed operation the children may sit in
+            # a collective rank 0 left; the kill below ends that, and them.
+            stopper = threading.Thread(target=self._send_stop, daemon=True, name="ranks-stop")
+            stopper.start()
+            stopper.join(STOP_SEND_S)
+            stuck = stopper.is_alive()
+        else:
+            stuck = True  # a child is gone: the others cannot finish a command
+        deadline = time.monotonic() + (0.0 if stuck else STOP_WAIT_S)
         killed = 0
         for p in self.procs:
             try:
