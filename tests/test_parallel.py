@@ -250,3 +250,43 @@ def test_checkpoints_move_between_two_ranks_and_one(model_dir, hf_model, tmp_pat
     assert m2.loss == pytest.approx(m1.loss, abs=1e-6) and m2.lr == m1.lr
     for n, p in one.model.named_parameters():
         assert (p.detach() - w2[n]).abs().max() < 3e-5, n
+
+
+async def test_trainer_daemon_with_two_ranks_steps_checkpoints_and_stops_them(tiny_model_dir, hf_model, tmp_path):
+    """The real TrainerDaemon with trainer.parallel.ranks = 2 (no actor: the
+    push path is covered above): it trains groups put in its buffer, saves a
+    checkpoint and the final policy with full weights at shutdown, and its
+    child rank is gone afterwards."""
+    import asyncio
+    import json
+
+    from daemons import free_port
+    from test_learner import group
+    from rlnode.trainer.daemon import TrainerDaemon
+
+    cfg = load_config(None, [f"model.path={tiny_model_dir}", 'trainer.device="cpu"', "trainer.cpu_threads=1",
+                             f"run.run_dir={tmp_path / 'run'}", f"trainer.port={free_port()}",
+                             'trainer.bind_host="127.0.0.1"', "trainer.parallel.ranks=2",
+                             "actor.scheduler.groups_per_step=1", "trainer.max_steps=2",
+                             "trainer.checkpoint_every=0", "run.progress=false", "trainer.optim.lr=0.01"])
+    trainer, stop = TrainerDaemon(cfg), asyncio.Event()
+    try:
+        await trainer.start()
+        pids = [p.pid for p in trainer.ranks.procs]
+        for k in range(2):
+            samples = [make_sample(hf_model, [5, 6, 7 + k], [40 + i, 41], f"g{k}/e{i}", 0) for i in range(3)]
+            trainer.buffer.put(group(f"g{k}", [1.0, 0.0, 0.5], samples))
+        await asyncio.wait_for(trainer.run(stop), 120)
+    finally:
+        await trainer.shutdown()
+    assert trainer.step == 2 and trainer.version == 2
+    steps = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in steps] == [1, 2] and all(r["samples"] == 3 and r["tokens"] == 6 for r in steps)
+    assert _pids_alive(pids) == []
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text().startswith("step-0000002-")
+    from transformers import AutoModelForCausalLM
+
+    final = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "final")
+    moved = [(p - hf_model.state_dict()[n]).abs().max().item() for n, p in final.named_parameters()]
+    assert max(moved) > 1e-3  # full, trained weights (not a shard, not the initial ones)
+    assert {n for n, _ in final.named_parameters()} == {n for n, _ in hf_model.named_parameters()}
