@@ -271,7 +271,10 @@ class WeightBroadcaster:
         plan (nothing was sent; the group stays usable), TransferError when
         the group failed (the epoch is unusable)."""
         comm = self._usable_comm(plan)
-        by_name = dict(tensors)
+        # Consumed lazily, bucket by bucket: with FSDP ranks each item is a
+        # full tensor gathered on demand, so rank 0 never holds the whole
+        # model unsharded (the plan lists tensors in the order they come).
+        source, pending = iter(tensors), {}
         t0 = time.monotonic()
         try:
             rejected = agree_on_plan(comm, plan.digest(), reject=False)
@@ -286,7 +289,17 @@ class WeightBroadcaster:
             for bucket in plan.buckets:
                 # Each broadcast completes before the next pack, so one
                 # scratch buffer serves every bucket.
-                comm.broadcast(pack_bucket(bucket, by_name, self.device, out=scratch))
+                names = [t.name for t in bucket.tensors]
+                while not all(n in pending for n in names):
+                    item = next(source, None)
+                    if item is None:
+                        break
+                    pending[item[0]] = item[1]
+                if missing := [n for n in names if n not in pending]:
+                    raise ValueError(f"tensors {missing[:3]} of the plan were not given")
+                comm.broadcast(pack_bucket(bucket, pending, self.device, out=scratch))
+                for n in names:
+                    del pending[n]
         except Exception as e:
             self._broken = True
             raise TransferError(f"epoch {plan.epoch}: broadcast failed: {e!r}") from e
