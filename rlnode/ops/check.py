@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rlnode.config import Config
+from rlnode.link.curve import is_loopback as literal_loopback
 
 OK, WARN, FAIL = "ok", "WARN", "FAIL"
 
@@ -41,16 +42,14 @@ class Finding:
 
 
 def is_loopback(host: str) -> bool:
-    if host in ("localhost", ""):
+    """Loopback by address, or a name that resolves only to loopback."""
+    if host == "" or literal_loopback(host):
         return True
     try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        try:
-            return all(ipaddress.ip_address(a[4][0]).is_loopback
-                       for a in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP))
-        except OSError:
-            return False
+        return all(ipaddress.ip_address(a[4][0]).is_loopback
+                   for a in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP))
+    except (OSError, ValueError):
+        return False
 
 
 def is_wildcard(host: str) -> bool:

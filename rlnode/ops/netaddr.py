@@ -9,23 +9,14 @@ where the trainer accepts actors instead.
 
 from __future__ import annotations
 
-import ipaddress
 import socket
 
 from rlnode.config import Config
+from rlnode.link.curve import is_loopback
 
 # Any routable address: connecting a UDP socket sends nothing, it only asks
 # the kernel which local address the route to it leaves from.
 _ROUTE_PROBE = ("192.0.2.1", 9)  # TEST-NET-1 (RFC 5737): never a real peer
-
-
-def _loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def primary_address() -> str:
@@ -35,14 +26,14 @@ def primary_address() -> str:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
             s.connect(_ROUTE_PROBE)
             addr = s.getsockname()[0]
-            if not _loopback(addr) and addr != "0.0.0.0":
+            if not is_loopback(addr) and addr != "0.0.0.0":
                 return addr
     except OSError:
         pass
     try:
         for info in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET):
             addr = info[4][0]
-            if not _loopback(addr):
+            if not is_loopback(addr):
                 return addr
     except OSError:
         pass
@@ -58,7 +49,7 @@ def resolve_advertise_host(cfg: Config) -> str:
     t = cfg.trainer
     if t.advertise_host != "auto":
         return t.advertise_host
-    if _loopback(t.bind_host):
+    if is_loopback(t.bind_host):
         return "127.0.0.1"
     if t.bind_host not in ("0.0.0.0", "::", "*", ""):
         return t.bind_host
