@@ -58,7 +58,7 @@ def test_the_two_node_config_loads_as_written_and_needs_gpus(tiny_model_dir, tmp
     assert not _failed(run_checks(cfg, "trainer", gpus=8))
     assert not _failed(run_checks(cfg, "actor", gpus=8) + [], "gpus")
     too_few = run_checks(cfg, "actor", gpus=4)
-    assert any("8 engine" in f.detail and "4 GPU" in f.detail for f in _failed(too_few, "gpus"))
+    assert any("num_engines 8" in f.detail and "4 GPU" in f.detail for f in _failed(too_few, "gpus"))
 
 
 def test_model_directory_problems_are_named(tiny_model_dir, tmp_path):

@@ -142,16 +142,14 @@ def check_devices(cfg: Config, role: str, gpus: int) -> list[Finding]:
         if e.device == "cuda" and gpus == 0:
             out.append(Finding(FAIL, "gpus", "actor.engine.device = \"cuda\" but this machine has no visible GPU"))
         elif engine_cuda:
-            need = _engine_gpus(cfg)
-            ids = list(e.gpu_ids) or list(range(need))
-            if len(ids) < need:
-                out.append(Finding(FAIL, "gpus", f"actor.engine.gpu_ids lists {len(ids)} GPU(s); {e.num_engines} "
-                                   f"engine(s) x tensor_parallel_size {e.tensor_parallel_size} need {need}"))
-            elif max(ids[:need]) >= gpus:
-                out.append(Finding(FAIL, "gpus", f"actor needs GPU ids {ids[:need]} ({e.num_engines} engine(s) x "
-                                   f"tp {e.tensor_parallel_size}); this machine has {gpus} GPU(s)"))
+            from rlnode.actor.engine import engine_gpu_assignment
+
+            try:
+                slices = engine_gpu_assignment(e, gpus)
+            except ValueError as err:
+                out.append(Finding(FAIL, "gpus", f"{err} (this machine has {gpus} GPU(s))"))
             else:
-                out.append(Finding(OK, "gpus", f"engines on GPU(s) {ids[:need]} of {gpus}"))
+                out.append(Finding(OK, "gpus", f"engines on GPU(s) {slices} of {gpus}"))
         else:
             out.append(Finding(OK, "gpus", f"{e.num_engines} engine(s) on cpu"))
     if role in ("trainer", "all"):
