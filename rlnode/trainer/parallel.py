@@ -41,7 +41,6 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict
 
 import msgspec
 import torch
@@ -112,21 +111,6 @@ class Stop(msgspec.Struct, tag="stop", array_like=True):
 Command = Step | Gather | GatherState | LoadModel | LoadOptimizer | LoadScheduler | Stop
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Command)
-
-
-class RankMetrics(msgspec.Struct, array_like=True):
-    """Rank r -> rank 0 (all-gathered): one rank's StepMetrics."""
-
-    loss: float
-    grad_norm: float
-    lr: float
-    samples: int
-    tokens: int
-    logprob_diff_mean: float
-    on_policy_diff_max: float | None
-    extra: dict[str, float]
-    step_s: float
-    skipped: bool
 
 
 # ---------------------------------------------------------------------------
@@ -303,9 +287,11 @@ class RankLearner:
 
     def _reduce(self, m):
         """Every rank's metrics, combined as one step's (rank 0's result)."""
-        mine = _encoder.encode(RankMetrics(**{k: v for k, v in asdict(m).items()
-                                               if k in RankMetrics.__struct_fields__}))
-        all_ = [msgspec.msgpack.decode(b, type=RankMetrics) for b in all_gather_bytes(mine, self.ctl)]
+        from rlnode.trainer.learner import StepMetrics
+
+        # StepMetrics is a dataclass: msgspec encodes and decodes it as is.
+        mine = _encoder.encode(m)
+        all_ = [msgspec.msgpack.decode(b, type=StepMetrics) for b in all_gather_bytes(mine, self.ctl)]
         tokens = sum(r.tokens for r in all_)
         onp = [r.on_policy_diff_max for r in all_ if r.on_policy_diff_max is not None]
         extra: dict[str, float] = {}
