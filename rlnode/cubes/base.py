@@ -116,6 +116,37 @@ class CubeTask(abc.ABC):
         and cancellation."""
 
 
+class AgentEndpoint(msgspec.Struct):
+    """Where an external agent reaches the policy and its environment for
+    one episode (served by the actor's gateway, ``rlnode/actor/gateway.py``).
+    Valid only while the episode runs."""
+
+    base_url: str  # OpenAI-compatible base URL: http://HOST:PORT/episodes/TOKEN/v1
+    api_key: str  # the bearer key for base_url (and env_url)
+    env_url: str  # http://HOST:PORT/episodes/TOKEN/env: POST step / reward, GET tools
+    model: str  # the model name to send (any name is accepted)
+
+
+class AgentTask(CubeTask):
+    """A task played by an agent that rlnode does not run itself (a user's
+    OpenAI-SDK loop, an Agents-SDK agent, a verifiers environment): it talks
+    to the policy through the gateway's OpenAI API, and every LLM call it
+    makes becomes a training sample. ``reset``/``step``/``evaluate`` are the
+    environment the agent may reach at ``env_url``; a task with no evaluator
+    of its own sets ``has_evaluator = False`` and its reward must come from
+    ``run_agent`` or from ``POST {env_url}/reward``."""
+
+    has_evaluator: bool = True
+    timeout_s: float = 600.0  # the whole episode, agent included
+
+    @abc.abstractmethod
+    async def run_agent(self, endpoint: AgentEndpoint, task: dict[str, Any]) -> float | None:
+        """Play one episode against ``endpoint``. ``task`` is the JSON-able
+        task description (ids, first observation, system prompt, tools).
+        Returns the reward, or None to take it from a posted reward or the
+        task's evaluator. Raising fails the episode (the scheduler retries)."""
+
+
 Split = Literal["train", "test"]
 
 
