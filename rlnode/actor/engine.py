@@ -28,7 +28,7 @@ import contextlib
 import os
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import msgspec
 
@@ -289,7 +289,7 @@ class Engine:
         await vllm_compat.set_weight_version(self.llm, version, self._spans)
         self.weight_version = version
 
-    def sampling_params(self, s: SamplingSettings):
+    def sampling_params(self, s: SamplingSettings, stream: bool = False):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -303,7 +303,9 @@ class Engine:
             ignore_eos=s.ignore_eos,
             logprobs=0,  # the sampled token's logprob only
             detokenize=False,  # token-in/token-out: text is never needed here
-            output_kind=RequestOutputKind.FINAL_ONLY,
+            # Streaming callers see the tokens so far at every engine step;
+            # the final output is the same either way.
+            output_kind=RequestOutputKind.CUMULATIVE if stream else RequestOutputKind.FINAL_ONLY,
         )
 
     async def generate(
@@ -311,14 +313,17 @@ class Engine:
         prompt_token_ids: list[int],
         sampling: SamplingSettings,
         request_id: str | None = None,
+        on_tokens: Callable[[Sequence[int]], None] | None = None,
     ) -> Completion:
         """Generate one completion. Cancelling the caller aborts the request
-        in the engine; engine failures raise EngineError."""
+        in the engine; engine failures raise EngineError. ``on_tokens``
+        (streaming) is called with the token ids produced so far, as they
+        grow; it must not block."""
         llm = self.llm  # shutdown() clears self.llm; this request keeps its engine
         if llm is None:
             raise EngineError(f"engine {self.engine_id} is not started")
         rid = request_id or f"e{self.engine_id}-{next(self._req_ids)}"
-        params = self.sampling_params(sampling)
+        params = self.sampling_params(sampling, stream=on_tokens is not None)
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         self.requests_total += 1
@@ -338,6 +343,8 @@ class Engine:
         try:
             async for out in llm.generate(prompt, params, rid):
                 final = out
+                if on_tokens is not None and out.outputs:
+                    on_tokens(out.outputs[0].token_ids)
         except asyncio.CancelledError:
             # AsyncLLM aborts on cancellation too; doing it here makes the
             # guarantee ours rather than an implementation detail of vLLM.

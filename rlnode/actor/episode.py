@@ -89,11 +89,22 @@ class ChatRenderer:
         chat_tools = [t.as_chat_tool() for t in tools] or None
         return self.encode(self._render(msgs, chat_tools, add_generation_prompt=True))
 
+    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
+        """A whole conversation, ending with the generation prompt (the
+        gateway's first call of an episode, or after the agent edited its
+        history)."""
+        return self.encode(self._render(messages, tools or None, add_generation_prompt=True))
+
     def next_message(self, completion_ids: list[int], role: str, content: str) -> list[int]:
         """Tokens to append after a completion: close the assistant turn if
         the engine did not (length stop), then the new message and the
         generation prompt."""
-        opened = self._render([*self._BASE, {"role": role, "content": content}], None, add_generation_prompt=True)
+        return self.next_messages(completion_ids, [{"role": role, "content": content}])
+
+    def next_messages(self, completion_ids: list[int], messages: list[dict[str, Any]]) -> list[int]:
+        """``next_message`` for several messages at once (e.g. the results of
+        parallel tool calls, which some templates group into one turn)."""
+        opened = self._render([*self._BASE, *messages], None, add_generation_prompt=True)
         if not opened.startswith(self._closed):
             raise ValueError("chat template re-renders earlier turns when a message is added; "
                              "token-in/token-out needs a prefix-stable template")

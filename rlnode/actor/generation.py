@@ -7,6 +7,8 @@ metadata, and the permit is returned on success, error and cancellation.
 
 from __future__ import annotations
 
+from typing import Callable, Sequence
+
 import msgspec
 
 from rlnode.actor.engine import Completion, Engine, SamplingSettings
@@ -32,9 +34,12 @@ class LLMClient:
         prompt_token_ids: list[int],
         sampling: SamplingSettings,
         affinity: int | None = None,
+        on_tokens: Callable[[Sequence[int]], None] | None = None,
     ) -> Generation:
-        """``affinity``: the engine this episode used last (prefix reuse)."""
+        """``affinity``: the engine this episode used last (prefix reuse);
+        ``on_tokens``: streaming callback (see ``Engine.generate``)."""
         async with self.router.lease(affinity) as lease:
-            completion = await self.engines[lease.engine_id].generate(prompt_token_ids, sampling)
+            completion = await self.engines[lease.engine_id].generate(prompt_token_ids, sampling,
+                                                                      on_tokens=on_tokens)
             lease.record(len(prompt_token_ids), len(completion.token_ids))
         return Generation(completion, lease.metadata)

@@ -30,7 +30,7 @@ from rlnode.actor.episode import ChatRenderer, EpisodeResult, EpisodeSettings, r
 from rlnode.actor.generation import LLMClient
 from rlnode.config import SchedulerConfig
 from rlnode.daemon import spawn
-from rlnode.cubes.base import Cube, CubeTaskRef
+from rlnode.cubes.base import AgentTask, Cube, CubeTaskRef
 from rlnode.log import get_logger
 
 log = get_logger("rlnode.scheduler")
@@ -152,6 +152,7 @@ class RolloutScheduler:
         on_eval: Callable[[EvalReport], None] | None = None,
         id_prefix: str = "",
         gate: GroupGate | None = None,
+        gateway=None,
     ):
         self.cubes, self.cfg, self.episode = cubes, cfg, episode
         self.eval_episode = episode
@@ -160,6 +161,8 @@ class RolloutScheduler:
                 episode, sampling=msgspec.structs.replace(episode.sampling, temperature=cfg.eval_temperature))
         self.client, self.renderer, self.versions = client, renderer, versions
         self.gate = gate or VersionBudget(versions, cfg.groups_per_step, cfg.max_lag)
+        # Serves the episodes of AgentTasks (external agents); rlnode.actor.gateway.Gateway.
+        self.gateway = gateway
         self.train_cubes = [c for c, w in weights.items() if w > 0]
         self.weights = [weights[c] for c in self.train_cubes]
         self.eval_cubes = eval_cubes
@@ -288,6 +291,14 @@ class RolloutScheduler:
             self.episodes_in_flight += 1
             try:
                 task = await self.cubes[ref.cube_id].open_task(ref.task_id)
+                if isinstance(task, AgentTask):
+                    from rlnode.actor.agent_episode import run_agent_episode
+
+                    if self.gateway is None:
+                        await task.close()
+                        raise RuntimeError(f"cube {ref.cube_id!r} needs the gateway (external agent)")
+                    return await run_agent_episode(self.gateway, task, settings, episode_id, group_id,
+                                                   lambda: self.versions.version)
                 return await run_episode(self.client, self.renderer, task, settings, episode_id,
                                          group_id, lambda: self.versions.version)
             finally:

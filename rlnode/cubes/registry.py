@@ -29,6 +29,8 @@ BUILTIN: dict[str, str] = {
     "python-math": "rlnode.cubes.python_math:PythonMathCube",
     "jsonl": "rlnode.cubes.jsonl:JsonlCube",
     "cube-protocol": "rlnode.cubes.protocol:ProtocolCube",
+    "verifiers": "rlnode.cubes.verifiers_cube:VerifiersCube",
+    "openai-agent": "rlnode.cubes.openai_agent:OpenAIAgentCube",
 }
 _registered: dict[str, type[Cube]] = {}
 

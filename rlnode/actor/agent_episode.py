@@ -1,0 +1,134 @@
+"""One episode played by an external agent through the gateway.
+
+The counterpart of ``episode.run_episode`` for ``AgentTask``s: rlnode does
+not run the agent loop, the agent does (a user's OpenAI-SDK code, an Agents
+SDK agent, a verifiers environment). This coroutine resets the task, opens a
+gateway session (a base URL and key valid only while the episode runs),
+awaits the agent under the task's timeout, and turns the calls the gateway
+served into ``TrainingSample``s with the episode's reward.
+
+Reward, first that exists: a reward the agent posted (``POST
+{env_url}/reward``), the value ``run_agent`` returned, the task's evaluator.
+None of them is an error (the episode fails and is retried).
+
+An agent that raises, exits non-zero or times out fails the episode (the
+scheduler retries and counts it), unless the gateway itself ended the
+episode first (``max_turns`` / context full): an agent that breaks on that
+refusal has still played a whole episode. Closing the session aborts calls
+still in flight, so nothing outlives the episode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Callable
+
+from rlnode.actor.episode import EpisodeResult, EpisodeSettings
+from rlnode.actor.gateway import Gateway, GatewaySession
+from rlnode.cubes.base import AgentTask, CubeError
+from rlnode.log import get_logger
+from rlnode.wire import TrainingSample, pack_f32, pack_i32
+
+log = get_logger("rlnode.agent_episode")
+
+
+class AgentFailed(CubeError):
+    """The agent crashed, timed out or produced nothing to train on."""
+
+
+def task_payload(task: AgentTask, reset, episode_id: str) -> dict:
+    """What the agent is told about its task (JSON; stdin of a command agent)."""
+    return {
+        "episode_id": episode_id,
+        "cube_id": task.ref.cube_id,
+        "task_id": task.ref.task_id,
+        "prompt": reset.observation,
+        "system": reset.system,
+        "tools": [t.as_chat_tool() for t in task.tools()],
+        "info": reset.info,
+    }
+
+
+async def run_agent_episode(
+    gateway: Gateway,
+    task: AgentTask,
+    settings: EpisodeSettings,
+    episode_id: str,
+    group_id: str,
+    policy_version: Callable[[], int] = lambda: 0,
+) -> EpisodeResult:
+    t0 = time.monotonic()
+    try:
+        reset = await task.reset()
+        async with gateway.session(episode_id, task, settings, policy_version) as s:
+            returned = await _drive(task, s, task_payload(task, reset, episode_id))
+        return await _result(task, s, returned, episode_id, group_id, time.monotonic() - t0)
+    finally:
+        await asyncio.shield(task.close())
+
+
+async def _drive(task: AgentTask, s: GatewaySession, payload: dict) -> float | None:
+    try:
+        return await asyncio.wait_for(task.run_agent(s.endpoint, payload), task.timeout_s)
+    except asyncio.TimeoutError:
+        if s.terminated:
+            return None
+        raise AgentFailed(f"agent timed out after {task.timeout_s:g}s ({len(s.calls)} LLM calls)") from None
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:
+        if s.terminated:  # the gateway ended the episode; the agent broke on the refusal
+            log.info("agent.stopped_by_gateway", episode=s.episode_id, reason=s.terminated, error=repr(e))
+            return None
+        if isinstance(e, CubeError):
+            raise
+        raise AgentFailed(f"agent failed: {e!r}") from e
+
+
+async def _result(task: AgentTask, s: GatewaySession, returned: float | None, episode_id: str, group_id: str,
+                  duration_s: float) -> EpisodeResult:
+    if not s.calls:
+        raise AgentFailed("the agent made no LLM call through the gateway")
+    success: bool | None = None
+    if s.posted_reward is not None:
+        reward, success = s.posted_reward, s.posted_success
+    elif returned is not None:
+        reward = float(returned)
+    elif task.has_evaluator:
+        ev = await task.evaluate()
+        reward, success = ev.reward, ev.success
+    else:
+        raise AgentFailed("no reward: the agent returned none, posted none, and the task has no evaluator")
+    if success is None:
+        success = reward > 0
+    reason = s.terminated or "done"
+    calls = sorted(s.calls, key=lambda c: c.step_index)
+    samples = [_sample(c, task, episode_id, group_id, reward, reason, len(calls)) for c in calls]
+    return EpisodeResult(episode_id, group_id, task.ref.cube_id, task.ref.task_id, reward, bool(success),
+                         len(calls), reason, s.agent_errors, duration_s, samples)
+
+
+def _sample(c, task: AgentTask, episode_id: str, group_id: str, reward: float, reason: str,
+            turns: int) -> TrainingSample:
+    comp = c.generation.completion
+    return TrainingSample(
+        sample_id=f"{episode_id}/{c.step_index}",
+        group_id=group_id,
+        episode_id=episode_id,
+        cube_id=task.ref.cube_id,
+        task_id=task.ref.task_id,
+        step_index=c.step_index,
+        prompt_ids=pack_i32(c.prompt),
+        completion_ids=pack_i32(comp.token_ids),
+        logprobs=pack_f32(comp.logprobs),
+        loss_mask=bytes([1]) * len(comp.token_ids),
+        reward=reward,
+        finish_reason=comp.finish_reason,
+        termination_reason=reason,
+        policy_version=c.policy_version,
+        temperature=c.temperature,
+        lease=c.generation.lease,
+        weight_versions=comp.weight_versions,
+        num_turns=turns,
+    )

@@ -1,0 +1,228 @@
+"""``openai-agent``: train an agent you wrote against the OpenAI API.
+
+Each episode runs your agent once, pointed at the actor's gateway (an
+OpenAI-compatible base URL valid for that episode only); every chat
+completion it asks for is a training sample. Two ways to run it:
+
+* ``agent = "my_pkg.agents:play"``: an async (or plain; it then runs in a
+  thread) function ``play(task, base_url, api_key) -> reward | None``,
+  awaited inside the actor daemon.
+* ``command = ["python", "my_agent.py"]``: a process per episode, with
+  ``OPENAI_BASE_URL``, ``OPENAI_API_KEY``, ``RLNODE_ENV_URL`` and
+  ``RLNODE_MODEL`` in its environment and the task as JSON on stdin. A
+  non-zero exit fails the episode. The process runs in its own process group
+  and the whole group is killed at the timeout or when the episode is
+  cancelled. (Your own code, trusted like the config: it is not sandboxed.)
+
+Tasks and rewards come from an environment cube (``env = {kind = "guessing",
+options = {...}}``): its train/test tasks, its tools (advertised in the task
+JSON and callable at ``RLNODE_ENV_URL``: ``POST step`` with ``{"tool", "arguments"}``
+or ``{"text"}``) and its evaluator. Without one, tasks are the lines of
+``tasks`` (JSONL: ``{"id", "prompt", ...}``) and the reward must come from
+the agent (return value or ``POST {RLNODE_ENV_URL}/reward``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import importlib
+import inspect
+import json
+import os
+import signal
+from pathlib import Path
+from typing import Annotated, Any, Callable
+
+import msgspec
+from msgspec import Meta
+
+from rlnode.cubes.base import (Action, AgentEndpoint, AgentTask, Cube, CubeError, CubeTask, CubeTaskRef,
+                               Evaluation, Reset, Split, StepResult, ToolSpec)
+from rlnode.log import get_logger
+
+log = get_logger("rlnode.cubes.openai_agent")
+
+STDERR_TAIL = 2000  # bytes of a failed command's stderr kept in the error
+
+
+class EnvSpec(msgspec.Struct, forbid_unknown_fields=True):
+    kind: str
+    options: dict[str, Any] = {}
+
+
+class OpenAIAgentOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    # "module:function" awaited in the daemon: fn(task: dict, base_url: str, api_key: str) -> float | None.
+    agent: str = ""
+    # Or a command run per episode (argv list; no shell).
+    command: list[str] = []
+    # Working directory of the command ("" = the daemon's).
+    cwd: str = ""
+    # Extra environment variables for the command.
+    env_vars: dict[str, str] = {}
+    # The environment cube: tasks, tools and evaluator.
+    env: EnvSpec | None = None
+    # Without `env`: a JSONL file of tasks ({"id", "prompt", ...}); reward from the agent.
+    tasks: str = ""
+    # Share of `tasks` held out for test (by a hash of each id).
+    test_fraction: Annotated[float, Meta(ge=0, lt=1)] = 0.1
+    # Seconds one episode (the whole agent run) may take.
+    timeout_s: Annotated[float, Meta(gt=0)] = 300.0
+
+
+class OpenAIAgentCube(Cube):
+    kind = "openai-agent"
+    Options = OpenAIAgentOptions
+
+    def __init__(self, cube_id: str, options: OpenAIAgentOptions, seed: int):
+        if bool(options.agent) == bool(options.command):
+            raise ValueError(f"cube {cube_id!r}: set exactly one of options.agent (module:function) "
+                             "and options.command (argv list)")
+        if bool(options.env) == bool(options.tasks):
+            raise ValueError(f"cube {cube_id!r}: set exactly one of options.env (an environment cube) "
+                             "and options.tasks (a JSONL file)")
+        self.cube_id, self.opts, self.seed = cube_id, options, seed
+        self.inner: Cube | None = None
+        self.fn: Callable | None = None
+        self._rows: dict[str, dict[str, Any]] = {}
+        self._split: dict[str, list[str]] = {"train": [], "test": []}
+
+    async def start(self) -> None:
+        from rlnode.cubes.registry import make_cube
+
+        if self.opts.agent:
+            self.fn = load_agent(self.opts.agent)
+        if self.opts.env is not None:
+            self.inner = make_cube(f"{self.cube_id}.env", self.opts.env.kind, self.opts.env.options, self.seed)
+            await self.inner.start()
+        else:
+            self._load_tasks(Path(self.opts.tasks))
+
+    def _load_tasks(self, path: Path) -> None:
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+                    raise ValueError('expected an object with a string "prompt"')
+            except ValueError as e:
+                raise ValueError(f"{path}:{n}: {e}") from e
+            tid = str(row.get("id", n))
+            if tid in self._rows:
+                raise ValueError(f"{path}:{n}: duplicate task id {tid!r}")
+            self._rows[tid] = row
+            h = int.from_bytes(hashlib.sha256(f"{self.seed}/{tid}".encode()).digest()[:8], "big") / 2**64
+            self._split["test" if h < self.opts.test_fraction else "train"].append(tid)
+
+    async def task_ids(self, split: Split) -> list[str]:
+        if self.inner is not None:
+            return await self.inner.task_ids(split)
+        return list(self._split[split])
+
+    async def open_task(self, task_id: str) -> CubeTask:
+        ref = CubeTaskRef(self.cube_id, task_id)
+        inner = await self.inner.open_task(task_id) if self.inner is not None else None
+        return OpenAIAgentTask(ref, self, inner, self._rows.get(task_id))
+
+    async def close(self) -> None:
+        if self.inner is not None:
+            await self.inner.close()
+
+    def reference_scores(self) -> dict[str, float]:
+        return self.inner.reference_scores() if self.inner is not None else {}
+
+
+class OpenAIAgentTask(AgentTask):
+    def __init__(self, ref: CubeTaskRef, cube: OpenAIAgentCube, inner: CubeTask | None,
+                 row: dict[str, Any] | None):
+        self.ref, self.cube, self.inner, self.row = ref, cube, inner, row
+        self.has_evaluator = inner is not None
+        self.timeout_s = cube.opts.timeout_s
+
+    async def reset(self) -> Reset:
+        if self.inner is not None:
+            return await self.inner.reset()
+        row = self.row or {}
+        return Reset(observation=row["prompt"], system=row.get("system"),
+                     info={k: v for k, v in row.items() if k not in ("prompt", "system")})
+
+    def tools(self) -> list[ToolSpec]:
+        return self.inner.tools() if self.inner is not None else []
+
+    async def step(self, action: Action) -> StepResult:
+        if self.inner is None:
+            raise CubeError("this task has no environment")
+        return await self.inner.step(action)
+
+    async def evaluate(self) -> Evaluation:
+        if self.inner is None:
+            raise CubeError("this task has no evaluator")
+        return await self.inner.evaluate()
+
+    async def close(self) -> None:
+        if self.inner is not None:
+            await self.inner.close()
+
+    async def run_agent(self, endpoint: AgentEndpoint, task: dict[str, Any]) -> float | None:
+        if self.cube.fn is not None:
+            return await call_agent(self.cube.fn, task, endpoint)
+        return await run_command(self.cube.opts, task, endpoint)
+
+
+def load_agent(ref: str) -> Callable:
+    module, sep, attr = ref.partition(":")
+    if not sep or not module or not attr:
+        raise ValueError(f"agent {ref!r}: expected 'module:function'")
+    try:
+        fn = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"agent {ref!r}: {e}") from e
+    if not callable(fn):
+        raise ValueError(f"agent {ref!r} is not callable")
+    return fn
+
+
+async def call_agent(fn: Callable, task: dict[str, Any], endpoint: AgentEndpoint) -> float | None:
+    if inspect.iscoroutinefunction(fn):
+        out = await fn(task, endpoint.base_url, endpoint.api_key)
+    else:  # a blocking agent runs in a thread, off the event loop
+        out = await asyncio.to_thread(fn, task, endpoint.base_url, endpoint.api_key)
+    return _reward(out)
+
+
+def _reward(out: Any) -> float | None:
+    if out is None:
+        return None
+    if isinstance(out, bool) or not isinstance(out, (int, float)):
+        raise CubeError(f"the agent returned {type(out).__name__}, expected a number or None")
+    return float(out)
+
+
+async def run_command(opts: OpenAIAgentOptions, task: dict[str, Any], endpoint: AgentEndpoint) -> None:
+    env = {**os.environ, **opts.env_vars, "OPENAI_BASE_URL": endpoint.base_url, "OPENAI_API_KEY": endpoint.api_key,
+           "RLNODE_ENV_URL": endpoint.env_url, "RLNODE_MODEL": endpoint.model}
+    proc = await asyncio.create_subprocess_exec(
+        *opts.command, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE, env=env, cwd=opts.cwd or None,
+        start_new_session=True,  # its own process group: killed whole, children included
+    )
+    try:
+        _, err = await proc.communicate(json.dumps(task).encode())
+    finally:
+        if proc.returncode is None:  # timeout or cancellation
+            _kill_group(proc.pid)
+            await proc.wait()
+        else:
+            _kill_group(proc.pid)  # children it left behind
+    if proc.returncode != 0:
+        tail = err[-STDERR_TAIL:].decode(errors="replace").strip()
+        raise CubeError(f"agent command exited with {proc.returncode}: {tail}")
+    return None
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass

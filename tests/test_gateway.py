@@ -1,0 +1,208 @@
+"""The OpenAI-compatible gateway with the real openai client and the real
+engine: completions, streaming, history parity, auth, errors, no leaks."""
+
+import asyncio
+
+import numpy as np
+import openai
+import pytest
+import torch
+
+from conftest import assert_engine_idle, reference_logprobs
+from rlnode.actor.engine import SamplingSettings
+from rlnode.actor.episode import ChatRenderer, EpisodeSettings
+from rlnode.actor.gateway import Gateway, split_tool_calls, _stream_safe
+from rlnode.actor.generation import LLMClient
+from rlnode.actor.router import AdmissionRouter
+
+pytestmark = pytest.mark.engine
+
+SETTINGS = EpisodeSettings(SamplingSettings(max_tokens=16, temperature=1.0), max_turns=6, max_model_len=2048)
+
+
+@pytest.fixture
+def router():
+    return AdmissionRouter(1, 16)
+
+
+@pytest.fixture
+async def gateway(engine, tokenizer, router):
+    gw = Gateway(LLMClient([engine], router), ChatRenderer(tokenizer), SETTINGS, model_name="tiny")
+    async with gw.serve():
+        yield gw
+    assert router.in_flight == [0]
+    await assert_engine_idle(engine)
+
+
+def client_for(session) -> openai.AsyncOpenAI:
+    ep = session.endpoint
+    return openai.AsyncOpenAI(base_url=ep.base_url, api_key=ep.api_key, max_retries=0, timeout=60)
+
+
+def check_parity(calls, hf_model):
+    """Logprobs are the engine's (re-scored by transformers) and prompt k+1
+    extends prompt k + completion k token for token."""
+    for c in calls:
+        comp = c.generation.completion
+        ref = reference_logprobs(hf_model, c.prompt, comp.token_ids, c.temperature)
+        assert (ref - torch.tensor(comp.logprobs)).abs().max().item() < 1e-4
+    for prev, nxt in zip(calls, calls[1:]):
+        head = prev.prompt + prev.generation.completion.token_ids
+        assert nxt.prompt[: len(head)] == head
+        assert not nxt.history_reset
+
+
+async def test_models_and_multi_turn_history_parity(gateway, hf_model, tokenizer):
+    async with gateway.session("ep-parity") as s:
+        client = client_for(s)
+        models = await client.models.list()
+        assert [m.id for m in models.data] == ["tiny"]
+        messages = [{"role": "system", "content": "You guess numbers."}, {"role": "user", "content": "Guess 1-8."}]
+        for turn in range(3):
+            r = await client.chat.completions.create(model="tiny", messages=messages, max_tokens=12)
+            msg = r.choices[0].message
+            assert r.usage.prompt_tokens == len(s.calls[-1].prompt)
+            assert r.usage.completion_tokens == len(s.calls[-1].generation.completion.token_ids) <= 12
+            assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+            assert r.choices[0].finish_reason in ("stop", "length")
+            messages += [msg, {"role": "user", "content": f"higher ({turn})"}]  # the SDK's own message object
+        await client.close()
+    assert [c.step_index for c in s.calls] == [0, 1, 2]
+    assert s.history_resets == 0
+    check_parity(s.calls, hf_model)
+    # The first prompt is exactly the template's rendering of the conversation.
+    first = tokenizer.apply_chat_template(messages[:2], add_generation_prompt=True, tokenize=False)
+    assert s.calls[0].prompt == tokenizer.encode(first, add_special_tokens=False)
+
+
+async def test_streaming_matches_and_extends(gateway, hf_model):
+    async with gateway.session("ep-stream") as s:
+        client = client_for(s)
+        messages = [{"role": "user", "content": "Count."}]
+        for _ in range(2):
+            stream = await client.chat.completions.create(model="tiny", messages=messages, max_tokens=16,
+                                                          stream=True, stream_options={"include_usage": True})
+            parts, finish, usage = [], None, None
+            async for chunk in stream:
+                if chunk.usage is not None:
+                    usage = chunk.usage
+                for ch in chunk.choices:
+                    parts.append(ch.delta.content or "")
+                    finish = ch.finish_reason or finish
+            text = "".join(parts)
+            comp = s.calls[-1].generation.completion
+            assert usage.completion_tokens == len(comp.token_ids)
+            assert finish in ("stop", "length")
+            messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "again"}]
+        await client.close()
+    assert gateway.stats.streamed == 2
+    check_parity(s.calls, hf_model)
+
+
+async def test_edited_history_starts_a_new_row_and_is_counted(gateway, tokenizer):
+    async with gateway.session("ep-edit") as s:
+        client = client_for(s)
+        r = await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "a"}])
+        edited = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "something else"},
+                  {"role": "user", "content": "b"}]
+        await client.chat.completions.create(model="tiny", messages=edited)
+        await client.close()
+    assert r.choices[0].message.content != "something else"
+    assert s.history_resets == 1 and s.calls[1].history_reset
+    rendered = tokenizer.apply_chat_template(edited, add_generation_prompt=True, tokenize=False)
+    assert s.calls[1].prompt == tokenizer.encode(rendered, add_special_tokens=False)
+
+
+async def test_tokens_and_keys_are_checked(gateway):
+    async with gateway.session("ep-auth") as s:
+        ep = s.endpoint
+        wrong = openai.AsyncOpenAI(base_url=ep.base_url, api_key="rlnode-guess", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            await wrong.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}])
+        foreign = openai.AsyncOpenAI(base_url=ep.base_url.replace(s.token, "not-a-token"), api_key=ep.api_key,
+                                     max_retries=0)
+        with pytest.raises(openai.NotFoundError):
+            await foreign.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}])
+        await wrong.close(), await foreign.close()
+    # Expired: the episode ended, its URL and key are dead.
+    late = openai.AsyncOpenAI(base_url=ep.base_url, api_key=ep.api_key, max_retries=0)
+    with pytest.raises(openai.NotFoundError) as e:
+        await late.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}])
+    await late.close()
+    assert e.value.body["code"] == "episode_not_found"
+    assert not s.calls and gateway.stats.unauthorized == 3
+
+
+@pytest.mark.parametrize("kwargs,param", [
+    ({"temperature": 1.5}, "temperature"),
+    ({"temperature": 0.0}, "temperature"),
+    ({"n": 2}, "n"),
+    ({"stop": ["\n"]}, "stop"),
+    ({"tool_choice": "required", "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
+     "tool_choice"),
+])
+async def test_bad_requests_get_openai_errors(gateway, kwargs, param):
+    async with gateway.session("ep-bad") as s:
+        client = client_for(s)
+        with pytest.raises(openai.BadRequestError) as e:
+            await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], **kwargs)
+        await client.close()
+    assert e.value.body["param"] == param and e.value.body["message"]
+    assert not s.calls
+
+
+async def test_lower_temperature_is_the_samples_temperature(gateway, hf_model):
+    async with gateway.session("ep-temp") as s:
+        client = client_for(s)
+        await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
+                                             temperature=0.5)
+        await client.close()
+    assert s.calls[0].temperature == 0.5
+    check_parity(s.calls, hf_model)
+
+
+async def test_max_turns_and_context_limit_end_the_episode(engine, tokenizer, router):
+    settings = EpisodeSettings(SamplingSettings(max_tokens=8), max_turns=2, max_model_len=2048)
+    gw = Gateway(LLMClient([engine], router), ChatRenderer(tokenizer), settings)
+    async with gw.serve(), gw.session("ep-limits") as s:
+        client = client_for(s)
+        for _ in range(2):
+            await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+        with pytest.raises(openai.BadRequestError) as e:
+            await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+        assert e.value.body["code"] == "max_turns_exceeded" and s.terminated == "max_turns"
+        async with gw.session("ep-long") as s2:
+            c2 = client_for(s2)
+            with pytest.raises(openai.BadRequestError) as e:
+                await c2.chat.completions.create(model="m", messages=[{"role": "user", "content": "word " * 3000}])
+            await c2.close()
+        assert e.value.body["code"] == "context_length_exceeded" and s2.terminated == "context_limit"
+        await client.close()
+
+
+async def test_ending_an_episode_aborts_its_calls(gateway, engine, router):
+    """A session closed while a (streamed) call runs: the engine request is
+    aborted and the lease returned; the fixture checks both."""
+    async with gateway.session("ep-abort") as s:
+        client = client_for(s)
+        long = SETTINGS.sampling.max_tokens
+        task = asyncio.create_task(client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=long))
+        while not s._inflight:
+            await asyncio.sleep(0.005)
+    with pytest.raises(openai.APIError):
+        await task
+    await client.close()
+    assert not s.calls
+
+
+def test_split_tool_calls_and_stream_prefix():
+    text = 'Let me try. <tool_call>{"name": "guess", "arguments": {"n": 4}}</tool_call>'
+    content, calls = split_tool_calls(text)
+    assert content == "Let me try. " and [(c.name, c.arguments) for c in calls] == [("guess", {"n": 4})]
+    # Everything streamed before the call is a prefix of the final content.
+    for k in range(len(text) + 1):
+        assert content.startswith(_stream_safe(text[:k], tools_on=True))
+    bad = "x <tool_call>{not json</tool_call>"
+    assert split_tool_calls(bad) == (bad, [])
+    assert split_tool_calls("plain") == ("plain", [])
