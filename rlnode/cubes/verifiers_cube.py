@@ -1,0 +1,234 @@
+"""``verifiers``: a cube whose tasks come from a verifiers environment, played
+by that environment's own agent against the gateway.
+
+verifiers (PyPI ``verifiers`` 0.4, the optional extra ``rlnode[verifiers]``)
+splits an environment into a *taskset* (the rows), an *env* (how one task
+becomes one episode: who plays, who answers) and a *harness* (the agent
+program). A rollout runs the harness against a local *interception* server
+that records every model call on a ``Trace`` and forwards it to the model
+endpoint; the task's ``@vf.reward`` methods (the rubric) then score the
+trace. Here the model endpoint is the episode's gateway URL, so every call
+the environment makes becomes a training sample, and the rubric's reward is
+the episode's reward.
+
+Token parity needs nothing from this module: the interception relays the
+harness's chat request as it is (model and sampling overridden), and a chat
+harness re-sends the assistant messages it got back, which the gateway
+extends token for token (``rlnode/actor/gateway.py``).
+
+Loading. ``env`` is a taskset id, as ``vf-eval`` takes it: an installed
+package (``wordle``, ``owner/name@1.0``, a built-in such as ``textarena``)
+or a module path (``rlnode.cubes.vf_guess``). verifiers resolves ids to
+importable top-level names, so a module path is imported here and
+registered under an alias (dots -> ``__``) that its loader can import.
+
+Splits: train tasks are the first ``num_train`` of the taskset configured by
+``env_args``; test tasks come from ``env_args`` merged with
+``test_env_args`` (e.g. ``{taskset = {split = "eval"}}``), or, when
+``test_env_args`` is empty, are held out of the train stream (its first
+``num_test`` rows; train then starts after them).
+
+Owns: the verifiers import, config and task lists, one verifiers episode per
+rlnode episode. Must not touch tokens or samples (the gateway does). The
+verifiers import is lazy: rlnode runs without the extra.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import os
+import secrets
+import sys
+from typing import Annotated, Any, Iterator
+
+import msgspec
+from msgspec import Meta
+
+from rlnode.cubes.base import (
+    Action, AgentEndpoint, AgentTask, Cube, CubeError, CubeTaskRef, Evaluation, Reset, Split, StepResult, ToolSpec,
+    run_blocking,
+)
+from rlnode.cubes.tasks import split_index
+
+EXTRA_HINT = "pip install 'rlnode[verifiers]'"
+
+
+class VerifiersOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    # The environment: a verifiers taskset id ("wordle", "owner/name@1.0")
+    # or a module path exporting one ("rlnode.cubes.vf_guess").
+    env: str
+    # The verifiers [env] table (what `vf-eval --env.*` sets): "taskset"
+    # knobs, the seats ("agent", or the env's own role names) with their
+    # harness / runtime / max_turns, "id" to pair another Env, "timeout",
+    # "retries". taskset.id is `env`.
+    env_args: dict[str, Any] = {}
+    # Deep-merged over env_args for the test split. Empty: the test split
+    # is held out of the train stream (its first num_test tasks).
+    test_env_args: dict[str, Any] = {}
+    # Tasks per split (ids train-N / test-N).
+    num_train: Annotated[int, Meta(ge=1)] = 10_000
+    num_test: Annotated[int, Meta(ge=0)] = 64
+    # verifiers sampling knobs imposed on every model call (temperature,
+    # max_tokens, ...); the gateway caps them at the run's actor.sampling.
+    sampling_args: dict[str, Any] = {}
+    # Seconds for one whole episode, the environment's agent included.
+    timeout_s: Annotated[float, Meta(gt=0)] = 600.0
+
+
+# -- verifiers plumbing (import-free until called) ------------------------------
+
+
+def import_verifiers():
+    """``verifiers.v1``, or an error naming the extra."""
+    try:
+        return importlib.import_module("verifiers.v1")
+    except ModuleNotFoundError as e:
+        if e.name is not None and e.name.split(".")[0] != "verifiers":
+            raise
+        raise ModuleNotFoundError(f"the verifiers cube needs the verifiers extra: {EXTRA_HINT}") from e
+
+
+def taskset_id(env: str) -> str:
+    """The id verifiers' loader can import ``env`` by. A dotted module path
+    (which the loader cannot import: it looks ids up as top-level names) is
+    imported and registered under an alias; other ids pass through."""
+    if "." not in env or "/" in env or "@" in env:
+        return env
+    alias = env.replace(".", "__")
+    module = importlib.import_module(env)
+    known = sys.modules.setdefault(alias, module)
+    if known is not module:
+        raise ValueError(f"verifiers env {env!r}: the alias {alias!r} is taken by another module")
+    return alias
+
+
+def merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """``over`` deep-merged onto ``base`` (tables merge, values replace)."""
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def env_config(env: str, env_args: dict[str, Any]):
+    """The verifiers ``EnvConfig`` for ``env`` (id or module path) and an
+    ``[env]`` table."""
+    vf = import_verifiers()
+    args = merged(env_args, {"taskset": {"id": taskset_id(env)}})
+    return vf.resolve_env_config(args)
+
+
+@contextlib.contextmanager
+def api_key_var(key: str) -> Iterator[str]:
+    """verifiers reads an endpoint's API key from an environment variable
+    named in its client config; the gateway's key is per episode, so each
+    episode gets a variable of its own for its lifetime. The name contains
+    API_KEY, which verifiers' subprocess runtime keeps from its children."""
+    var = f"RLNODE_VF_API_KEY_{secrets.token_hex(8)}"
+    os.environ[var] = key
+    try:
+        yield var
+    finally:
+        os.environ.pop(var, None)
+
+
+def _load(env: str, env_args: dict[str, Any], skip: int, take: int):
+    """Build the verifiers env and read ``take`` tasks after ``skip`` (blocking:
+    a taskset may read files or build a dataset)."""
+    vf = import_verifiers()
+    venv = vf.load_environment(env_config(env, env_args))
+    return venv, list(venv.taskset.skip(skip).take(take)) if take else []
+
+
+# -- the cube ------------------------------------------------------------------
+
+
+class VerifiersTask(AgentTask):
+    """One verifiers task; ``run_agent`` plays one verifiers episode of it."""
+
+    has_evaluator = False
+
+    def __init__(self, ref: CubeTaskRef, env, task, opts: VerifiersOptions):
+        self.ref, self.env, self.task, self.opts = ref, env, task, opts
+        self.timeout_s = opts.timeout_s
+        self.reward: float | None = None
+        self.info: dict[str, Any] = {}
+
+    async def reset(self) -> Reset:
+        data = self.task.data
+        return Reset(observation=data.prompt_text, system=data.system_prompt,
+                     info={"verifiers_task": self.task.key, "verifiers_idx": data.idx})
+
+    def tools(self) -> list[ToolSpec]:
+        return []  # the environment's harness brings its own
+
+    async def step(self, action: Action) -> StepResult:
+        raise NotImplementedError("a verifiers environment plays its own turns; it has no env_url steps")
+
+    async def run_agent(self, endpoint: AgentEndpoint, task: dict[str, Any]) -> float:
+        vf = import_verifiers()
+        with api_key_var(endpoint.api_key) as var:
+            ctx = vf.ModelContext(
+                model=endpoint.model,
+                client=vf.EvalClientConfig(base_url=endpoint.base_url, api_key_var=var),
+                sampling=vf.SamplingConfig(**self.opts.sampling_args),
+            )
+            # A serving scope per episode: the interception keeps one model
+            # client per endpoint, and each episode has its own endpoint.
+            async with self.env.serving():
+                episode = await self.env.run_episode(self.task, ctx)
+        traces = [t for t in episode.traces if t.agent is None or t.agent.trainable] or list(episode.traces)
+        self.info = {
+            "stop": [t.stop_condition for t in episode.traces],
+            "rewards": [{k: (r.value if r else None) for k, r in t.rewards.items()} for t in traces],
+            "metrics": [t.metrics for t in traces],
+        }
+        if not episode.ok:
+            err = episode.last_error or next((t.last_error for t in episode.traces if t.last_error), None)
+            raise CubeError(f"verifiers episode failed: {err.type}: {err.message}" if err else
+                            "verifiers episode failed")
+        self.reward = sum(t.reward for t in traces) / len(traces)
+        return self.reward
+
+    async def evaluate(self) -> Evaluation:
+        if self.reward is None:
+            raise CubeError("no rubric reward: the verifiers episode did not finish")
+        return Evaluation(reward=self.reward, success=self.reward > 0, info=self.info)
+
+
+class VerifiersCube(Cube):
+    kind = "verifiers"
+    Options = VerifiersOptions
+
+    def __init__(self, cube_id: str, options: VerifiersOptions, seed: int):
+        self.cube_id = cube_id
+        self.opts = options
+        self.seed = seed
+        self.envs: dict[Split, Any] = {}
+        self.tasks: dict[Split, list[Any]] = {}
+
+    async def start(self) -> None:
+        o = self.opts
+        await run_blocking(import_verifiers)
+        if o.test_env_args:
+            self.envs["train"], self.tasks["train"] = await run_blocking(_load, o.env, o.env_args, 0, o.num_train)
+            test_args = merged(o.env_args, o.test_env_args)
+            self.envs["test"], self.tasks["test"] = await run_blocking(_load, o.env, test_args, 0, o.num_test)
+        else:
+            env, rows = await run_blocking(_load, o.env, o.env_args, 0, o.num_test + o.num_train)
+            self.envs = {"train": env, "test": env}
+            self.tasks = {"test": rows[:o.num_test], "train": rows[o.num_test:]}
+        if not self.tasks["train"]:
+            raise CubeError(f"verifiers env {o.env!r} yielded no train tasks")
+
+    async def task_ids(self, split: Split) -> list[str]:
+        return [f"{split}-{i:05d}" for i in range(len(self.tasks.get(split, [])))]
+
+    async def open_task(self, task_id: str) -> VerifiersTask:
+        split, idx = split_index(task_id)
+        if idx >= len(self.tasks.get(split, [])):
+            raise KeyError(f"unknown task {task_id!r} in cube {self.cube_id!r}")
+        task = self.tasks[split][idx]
+        return VerifiersTask(CubeTaskRef(self.cube_id, task_id), self.envs[split], task, self.opts)
