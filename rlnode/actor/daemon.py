@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import os
 import secrets
 import time
@@ -22,6 +23,7 @@ import msgspec
 
 from rlnode.actor.engine import Engine, SamplingSettings
 from rlnode.actor.episode import ChatRenderer, EpisodeSettings
+from rlnode.actor.gateway import Gateway
 from rlnode.actor.generation import LLMClient
 from rlnode.actor.router import AdmissionRouter
 from rlnode.actor.scheduler import Group, RolloutScheduler, VersionSource
@@ -87,6 +89,12 @@ class ActorDaemon:
             ecfg.num_engines, cfg.actor.router.llm_max_rollouts, cfg.actor.router.affinity
         )
         self.client = LLMClient(self.engines, self.router)
+        # External agents' OpenAI endpoint; served on the ops HTTP endpoint
+        # (add_http_routes) or, without one, on a loopback port of its own.
+        # Its renderer is set with the scheduler's (it needs the tokenizer).
+        self.gateway = Gateway(self.client, None, episode_settings(cfg),
+                               model_name=os.path.basename(os.path.normpath(cfg.model.path)) or "rlnode")
+        self._gateway_site = contextlib.AsyncExitStack()
         self.versions = VersionSource(0)
         self.cubes: dict[str, Cube] = {}
         self.scheduler: RolloutScheduler | None = None
@@ -109,9 +117,12 @@ class ActorDaemon:
                 await prepare_engine(engine)
             if self.cubes:
                 self.scheduler = await self._make_scheduler()
+                if not self.gateway.url:  # no ops endpoint: the gateway listens on its own (loopback)
+                    await self._gateway_site.enter_async_context(self.gateway.serve("127.0.0.1", 0))
             if self.peers:
                 await self._connect()
         except BaseException:
+            await self._gateway_site.aclose()
             await asyncio.gather(*(e.shutdown() for e in started), return_exceptions=True)
             await close_cubes(self.cubes)
             raise
@@ -123,12 +134,14 @@ class ActorDaemon:
 
         cfg = self.cfg
         tok = await asyncio.to_thread(AutoTokenizer.from_pretrained, cfg.model.tokenizer or cfg.model.path)
+        self.gateway.renderer = renderer = ChatRenderer(tok)
         sched = RolloutScheduler(
             self.cubes, {c.id: c.weight for c in cfg.actor.cubes}, [c.id for c in cfg.actor.cubes if c.eval],
-            self.client, ChatRenderer(tok),
+            self.client, renderer,
             msgspec.structs.replace(cfg.actor.scheduler, max_lag=effective_max_lag(cfg)),
             episode_settings(cfg), self.versions,
             seed=cfg.run.seed, on_eval=self._on_eval, id_prefix=f"{self.node_id}-{self.incarnation}-",
+            gateway=self.gateway,
         )
         await sched.prepare()
         return sched
@@ -246,6 +259,7 @@ class ActorDaemon:
     async def shutdown(self) -> None:
         from rlnode.cubes.registry import close_cubes
 
+        await self._gateway_site.aclose()
         if self.link is not None:
             # Give the trainer a moment to acknowledge what it was sent;
             # anything unacknowledged is reported, not silently dropped.
@@ -260,6 +274,14 @@ class ActorDaemon:
                 log.error("engine.shutdown_failed", engine=e.engine_id, error=repr(r))
         stats = {c: s.summary() for c, s in self.scheduler.stats.items()} if self.scheduler else {}
         log.info("actor.stopped", leases=self.router.stats().leases_granted, cubes=stats)
+
+    # -- HTTP (rlnode.ops.http mounts these before it listens) ------------------------
+
+    def add_http_routes(self, app) -> None:
+        self.gateway.add_routes(app)
+
+    def http_bound(self, url: str) -> None:
+        self.gateway.url = url
 
     # -- observability (read by rlnode.ops.http; never changes state) ---------------
 
@@ -285,6 +307,8 @@ class ActorDaemon:
             "cubes": {c: s.summary() for c, s in self.scheduler.stats.items()} if self.scheduler else {},
             "groups_started": self.scheduler.started_groups if self.scheduler else 0,
             "waiting_for_credit": self.scheduler.waiting_for_credit if self.scheduler else False,
+            "gateway": {"url": self.gateway.url, "open_episodes": len(self.gateway.sessions),
+                        **msgspec.to_builtins(self.gateway.stats)},
         }
         if self.link is not None:
             out["link"] = {"trainer": self.peers[0], "connected": self.link.connected,
@@ -321,6 +345,13 @@ class ActorDaemon:
                         ("rlnode_groups", "counter", "complete groups emitted", lab, s.groups),
                         ("rlnode_groups_dropped", "counter", "groups dropped (failed episode)", lab, s.groups_dropped),
                         ("rlnode_episode_reward_mean", "gauge", "mean episode reward", lab, s.reward_mean)]
+        g = self.gateway.stats
+        out += [("rlnode_gateway_open_episodes", "gauge", "external-agent episodes open", {}, len(self.gateway.sessions)),
+                ("rlnode_gateway_calls", "counter", "chat completions served", {}, g.calls),
+                ("rlnode_gateway_history_resets", "counter", "calls that did not extend the episode's history", {},
+                 g.history_resets),
+                ("rlnode_gateway_errors", "counter", "gateway requests answered with an error", {}, g.errors),
+                ("rlnode_gateway_unauthorized", "counter", "unknown episode or wrong key", {}, g.unauthorized)]
         if self.link is not None:
             c = self.link.counters()
             lab = {"trainer": self.peers[0]}

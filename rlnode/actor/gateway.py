@@ -51,6 +51,7 @@ from rlnode.actor.episode import ChatRenderer, EpisodeSettings, parse_action
 from rlnode.actor.generation import Generation, LLMClient
 from rlnode.cubes.base import Action, AgentEndpoint, CubeTask, ToolCall
 from rlnode.log import get_logger
+from rlnode.ops.netaddr import local_url_host
 
 log = get_logger("rlnode.gateway")
 
@@ -309,7 +310,7 @@ class Gateway:
             site = web.TCPSite(runner, host, port)
             await site.start()
             bound = site._server.sockets[0].getsockname()
-            self.url = f"http://{_url_host(host)}:{bound[1]}"
+            self.url = f"http://{local_url_host(host)}:{bound[1]}"
             yield self
         finally:
             await runner.cleanup()
@@ -597,15 +598,6 @@ def _openai_message(reply: dict[str, Any], calls: list[ToolCall], step: int) -> 
 def _usage(prompt: list[int], gen: Generation) -> dict[str, int]:
     n = len(gen.completion.token_ids)
     return {"prompt_tokens": len(prompt), "completion_tokens": n, "total_tokens": len(prompt) + n}
-
-
-def _url_host(host: str) -> str:
-    """Where a local agent reaches a server bound to ``host``."""
-    if host in ("", "0.0.0.0"):
-        return "127.0.0.1"
-    if host == "::":
-        return "[::1]"
-    return f"[{host}]" if ":" in host else host
 
 
 def _dumps(obj: Any) -> str:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import importlib
+import importlib.util
 import inspect
 import json
 import os
@@ -171,12 +172,22 @@ class OpenAIAgentTask(AgentTask):
 
 
 def load_agent(ref: str) -> Callable:
-    module, sep, attr = ref.partition(":")
-    if not sep or not module or not attr:
-        raise ValueError(f"agent {ref!r}: expected 'module:function'")
+    """``module:function`` (importable) or ``path/to/file.py:function``."""
+    target, sep, attr = ref.rpartition(":")
+    if not sep or not target or not attr:
+        raise ValueError(f"agent {ref!r}: expected 'module:function' or 'path/to/file.py:function'")
     try:
-        fn = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
+        if target.endswith(".py"):
+            path = Path(target).resolve()
+            spec = importlib.util.spec_from_file_location(f"rlnode_agent_{path.stem}", path)
+            if spec is None or not path.is_file():
+                raise ImportError(f"no file {path}")
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(target)
+        fn = getattr(module, attr)
+    except (ImportError, AttributeError, OSError) as e:
         raise ValueError(f"agent {ref!r}: {e}") from e
     if not callable(fn):
         raise ValueError(f"agent {ref!r} is not callable")

@@ -37,6 +37,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from rlnode.config import HttpConfig
 from rlnode.link.curve import is_loopback
 from rlnode.log import get_logger
+from rlnode.ops.netaddr import local_url_host
 from rlnode.ops.notify import Notifier
 
 log = get_logger("rlnode.ops")
@@ -48,6 +49,10 @@ Sample = tuple[str, str, str, dict[str, str], float]
 
 
 OPEN_PATHS = frozenset({"/healthz"})  # probes (load balancers, systemd) carry no token
+# The actor's gateway (rlnode/actor/gateway.py): each episode's URL holds an
+# unguessable token and its requests a per-episode key; the ops token is not
+# handed to agents.
+EPISODE_PREFIX = "/episodes/"
 
 
 class HttpAuthError(ValueError):
@@ -142,11 +147,19 @@ class OpsServer:
         app.router.add_get("/status", self._status)
         app.router.add_get("/history", self._history)
         app.router.add_get("/", self._page)
+        for role in self.roles:  # e.g. the actor's OpenAI gateway
+            add = getattr(role, "add_http_routes", None)
+            if add is not None:
+                add(app)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]  # resolved when port = 0
+        for role in self.roles:
+            bound = getattr(role, "http_bound", None)
+            if bound is not None:
+                bound(f"http://{local_url_host(self.host)}:{self.port}")
         self._tasks = [asyncio.create_task(self._sampler(), name="ops-sampler")]
         if self.notifier.watchdog_s:
             self._tasks.append(asyncio.create_task(self._watchdog(), name="ops-watchdog"))
@@ -195,7 +208,8 @@ class OpsServer:
 
     @web.middleware
     async def _auth(self, request: web.Request, handler):
-        if request.path not in OPEN_PATHS:
+        # Episode paths carry their own secret (the gateway checks it).
+        if request.path not in OPEN_PATHS and not request.path.startswith(EPISODE_PREFIX):
             scheme, _, given = request.headers.get("Authorization", "").partition(" ")
             # Constant time: the comparison must not leak how much matched.
             if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self._token):
@@ -232,3 +246,4 @@ def _dumps(obj: Any) -> str:
     import msgspec
 
     return msgspec.json.encode(obj).decode()
+

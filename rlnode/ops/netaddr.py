@@ -62,3 +62,13 @@ def resolve_advertise_host(cfg: Config) -> str:
 
         get_logger("rlnode.trainer").warning("advertise_host.loopback", reason=str(e))
         return "127.0.0.1"
+
+
+def local_url_host(host: str) -> str:
+    """The host part of a URL by which a client on this machine reaches a
+    server bound to ``host`` (a wildcard bind is reached on loopback)."""
+    if host in ("", "0.0.0.0"):
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    return f"[{host}]" if ":" in host else host
