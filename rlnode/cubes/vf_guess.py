@@ -58,10 +58,12 @@ def play(answer: int, replies: list[str | None], max_turns: int) -> tuple[bool, 
     return False, min(len(replies), max_turns)
 
 
-def feedback(answer: int, guess: int | None) -> str:
+def feedback(answer: int, guess: int | None, lo: int, hi: int, style: str) -> tuple[str, int, int]:
+    """The user's answer to a wrong guess, and the interval left."""
     if guess is None:
-        return "Reply with one whole number."
-    return "Higher." if guess < answer else "Lower."
+        return "Reply with one whole number.", lo, hi
+    word, lo, hi = ("Higher", max(lo, guess + 1), hi) if guess < answer else ("Lower", lo, min(hi, guess - 1))
+    return (f"{word}. It is between {lo} and {hi}." if style == "range" else f"{word}."), lo, hi
 
 
 class GuessTaskConfig(vf.TaskConfig):
@@ -78,6 +80,10 @@ class GuessConfig(vf.TasksetConfig):
     """Hidden numbers are drawn from 1..max_number."""
     max_turns: int = Field(4, ge=1, le=64)
     """Guesses allowed per game."""
+    feedback: Literal["direction", "range"] = "direction"
+    """"direction": "Higher." / "Lower."; "range" adds the interval left
+    ("Higher. It is between 6 and 8."), which a small model can act on from
+    the last message alone."""
     split: Literal["train", "eval"] = "train"
     """Which stream of tasks: train and eval draw from separate seeds."""
     num_tasks: int = Field(1000, ge=1)
@@ -88,6 +94,7 @@ class GuessData(vf.TaskData):
     answer: int
     max_number: int
     max_turns: int
+    feedback: str = "direction"
 
 
 class GuessTask(vf.Task[GuessData, vf.State, GuessTaskConfig]):
@@ -116,7 +123,7 @@ class GuessTaskset(vf.Taskset[GuessTask, GuessConfig]):
             yield GuessTask(
                 GuessData(id=f"{cfg.split}-{i:05d}", prompt=prompt, system_prompt=SYSTEM_PROMPT,
                           answer=rng.randint(1, cfg.max_number), max_number=cfg.max_number,
-                          max_turns=cfg.max_turns),
+                          max_turns=cfg.max_turns, feedback=cfg.feedback),
                 cfg.task,
             )
 
@@ -162,6 +169,7 @@ class GuessEnv(vf.Env[GuessEnvConfig]):
 
     async def run(self, task: GuessTask, agents: vf.Agents) -> None:
         data = task.data
+        lo, hi = 1, data.max_number
         async with agents.player.interaction(task) as interaction:
             segment = await interaction.turn()  # the prompted task: the model opens
             for turn in range(1, data.max_turns + 1):
@@ -170,7 +178,8 @@ class GuessEnv(vf.Env[GuessEnvConfig]):
                 guess = first_int(segment.last_reply)
                 if guess == data.answer or turn == data.max_turns:
                     break
-                segment = await interaction.turn(feedback(data.answer, guess))
+                text, lo, hi = feedback(data.answer, guess, lo, hi, data.feedback)
+                segment = await interaction.turn(text)
 
 
 __all__ = ["GuessEnv", "GuessHarness", "GuessTaskset", "load_environment"]

@@ -1,0 +1,210 @@
+"""The ``verifiers`` cube and the shipped verifiers environment ``vf_guess``.
+
+Two kinds of tests:
+
+* Environment logic, against a *scripted policy*: a small aiohttp server in
+  the test answers chat completions with scripted guesses (binary search, a
+  constant, no number). It checks the environment's turn handling and its
+  rubric, not rlnode: a correct guess scores 1.0, wrong ones 0.0, the game
+  stops at max_turns, each request extends the last one by exactly the
+  reply and the feedback.
+* rlnode end to end, with the real tiny engine: episodes through the real
+  gateway (samples, rubric reward, token parity) and a ``--role all`` run
+  that trains on the verifiers cube.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from aiohttp import web
+
+from daemons import ROOT, free_port
+from rlnode.cubes.base import AgentEndpoint, CubeError
+from rlnode.cubes.registry import make_cube, parse_options
+
+GUESS = "rlnode.cubes.vf_guess"
+
+
+@pytest.fixture(scope="module")
+def vf():
+    return pytest.importorskip("verifiers.v1")
+
+
+def guess_cube(**options):
+    opts = {"env": GUESS, "num_train": 6, "num_test": 3, **options}
+    return make_cube("vf", "verifiers", opts, seed=0)
+
+
+# -- scripted policies (environment logic only) ---------------------------------
+
+
+def binary_search(messages, max_number=8):
+    lo, hi = 1, max_number
+    guesses = [int(m["content"]) for m in messages if m["role"] == "assistant"]
+    feedback = [m["content"] for m in messages if m["role"] == "user"][1:]
+    for g, fb in zip(guesses, feedback):
+        lo, hi = (g + 1, hi) if fb.startswith("Higher") else (lo, g - 1)
+    return str((lo + hi) // 2)
+
+
+@contextlib.asynccontextmanager
+async def scripted_server(policy, key="rlnode-test-key", fail: bool = False):
+    """An OpenAI chat-completions endpoint whose replies come from
+    ``policy(messages)``; it checks the bearer key like the gateway does."""
+    requests: list[dict] = []
+
+    async def chat(request: web.Request) -> web.Response:
+        if request.headers.get("Authorization") != f"Bearer {key}":
+            return web.json_response({"error": {"message": "bad key"}}, status=401)
+        body = await request.json()
+        requests.append(body)
+        if fail:
+            return web.json_response({"error": {"message": "engine down"}}, status=503)
+        text = policy(body["messages"])
+        return web.json_response({
+            "id": f"c{len(requests)}", "object": "chat.completion", "created": 0, "model": body["model"],
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+        })
+
+    app = web.Application()
+    app.router.add_post("/ep/v1/chat/completions", chat)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    try:
+        yield AgentEndpoint(f"http://127.0.0.1:{port}/ep/v1", key, "", "scripted"), requests
+    finally:
+        await runner.cleanup()
+
+
+async def play_one(cube, task_id, policy, **server):
+    task = await cube.open_task(task_id)
+    async with scripted_server(policy, **server) as (endpoint, requests):
+        reward = await task.run_agent(endpoint, {})
+    return task, reward, requests
+
+
+async def test_binary_search_wins_and_requests_extend_by_reply_and_feedback(vf):
+    cube = guess_cube(env_args={"taskset": {"max_number": 8, "max_turns": 4}})
+    await cube.start()
+    for task_id in await cube.task_ids("train"):
+        task, reward, requests = await play_one(cube, task_id, binary_search)
+        answer = task.task.data.answer
+        assert reward == 1.0 and (await task.evaluate()).reward == 1.0
+        guesses = [int(binary_search(r["messages"])) for r in requests]
+        assert guesses[-1] == answer and answer not in guesses[:-1]
+        assert task.info["metrics"] == [{"guesses": float(len(requests))}]
+        # The conversation only grows: each request is the last one plus the
+        # reply it got and the environment's feedback, which is what lets
+        # the gateway extend its token history.
+        for prev, nxt, g in zip(requests, requests[1:], guesses):
+            word = "Higher." if g < answer else "Lower."
+            assert nxt["messages"] == prev["messages"] + [{"role": "assistant", "content": str(g)},
+                                                         {"role": "user", "content": word}]
+        assert requests[0]["messages"][0]["role"] == "system"
+        assert requests[0]["messages"][1]["content"] == (await task.reset()).observation
+
+
+async def test_wrong_guesses_score_zero_and_stop_at_max_turns(vf):
+    cube = guess_cube(env_args={"taskset": {"max_number": 8, "max_turns": 3}})
+    await cube.start()
+    task, reward, requests = await play_one(cube, "train-00000", lambda m: "0")
+    assert reward == 0.0 and len(requests) == 3
+    ev = await task.evaluate()
+    assert (ev.reward, ev.success) == (0.0, False)
+    task, reward, requests = await play_one(cube, "train-00001", lambda m: "no idea")
+    assert reward == 0.0 and len(requests) == 3
+    assert requests[-1]["messages"][-1] == {"role": "user", "content": "Reply with one whole number."}
+
+
+async def test_turn_cost_and_range_feedback(vf):
+    cube = guess_cube(env_args={"taskset": {"max_number": 8, "max_turns": 4, "feedback": "range",
+                                            "task": {"turn_cost": 0.1}}})
+    await cube.start()
+    rewards = []
+    for task_id in await cube.task_ids("train"):
+        task, reward, requests = await play_one(cube, task_id, binary_search)
+        assert reward == pytest.approx(1.0 - 0.1 * (len(requests) - 1))
+        rewards.append(reward)
+        for r in requests[1:]:
+            assert " It is between " in r["messages"][-1]["content"]
+    assert len(set(rewards)) > 1  # some took more guesses than others
+
+
+async def test_splits_are_disjoint_and_deterministic(vf):
+    held_out = guess_cube()
+    await held_out.start()
+    assert await held_out.task_ids("train") == [f"train-{i:05d}" for i in range(6)]
+    assert await held_out.task_ids("test") == [f"test-{i:05d}" for i in range(3)]
+    ids = lambda cube, split: [t.data.id for t in cube.tasks[split]]
+    assert not set(ids(held_out, "train")) & set(ids(held_out, "test"))
+    split = guess_cube(test_env_args={"taskset": {"split": "eval"}})
+    await split.start()
+    assert ids(split, "test") == ["eval-00000", "eval-00001", "eval-00002"]
+    again = guess_cube(test_env_args={"taskset": {"split": "eval"}})
+    await again.start()
+    answers = lambda cube, split: [t.data.answer for t in cube.tasks[split]]
+    assert answers(again, "train") == answers(split, "train")
+    assert answers(again, "test") == answers(split, "test")
+    with pytest.raises(KeyError):
+        await split.open_task("train-00006")
+    task = await split.open_task("test-00001")
+    assert task.ref.task_id == "test-00001" and task.has_evaluator is False
+    with pytest.raises(NotImplementedError):
+        await task.step(None)
+
+
+async def test_a_failed_rollout_fails_the_episode(vf):
+    cube = guess_cube()
+    await cube.start()
+    task = await cube.open_task("train-00000")
+    async with scripted_server(binary_search, fail=True) as (endpoint, requests):
+        with pytest.raises(CubeError, match="verifiers episode failed"):
+            await task.run_agent(endpoint, {})
+    assert len(requests) == 1
+    with pytest.raises(CubeError, match="no rubric reward"):
+        await task.evaluate()
+    # A wrong key reaches the endpoint as a wrong key (401), not as a pass.
+    task = await cube.open_task("train-00001")
+    async with scripted_server(binary_search, key="other") as (endpoint, requests):
+        endpoint = AgentEndpoint(endpoint.base_url, "rlnode-test-key", "", "scripted")
+        with pytest.raises(CubeError):
+            await task.run_agent(endpoint, {})
+    assert not requests
+    assert not [k for k in os.environ if k.startswith("RLNODE_VF_API_KEY_")]
+
+
+async def test_load_environment_builds_the_env_alone(vf):
+    from rlnode.cubes import vf_guess
+
+    env = vf_guess.load_environment(taskset={"max_number": 5, "num_tasks": 3})
+    assert isinstance(env, vf_guess.GuessEnv)
+    tasks = list(env.taskset)
+    assert [t.data.id for t in tasks] == ["train-00000", "train-00001", "train-00002"]
+    assert all(1 <= t.data.answer <= 5 for t in tasks)
+
+
+def test_options_validate_without_verifiers_and_missing_extra_is_named(monkeypatch):
+    opts = parse_options("verifiers", {"env": GUESS, "env_args": {"taskset": {"max_turns": 3}}})
+    assert opts.env == GUESS and opts.timeout_s == 600.0
+    import msgspec
+
+    with pytest.raises(msgspec.ValidationError, match="num_tset"):
+        parse_options("verifiers", {"env": GUESS, "num_tset": 3})
+    from rlnode.cubes import verifiers_cube
+
+    monkeypatch.setitem(sys.modules, "verifiers.v1", None)  # as if the extra were not installed
+    with pytest.raises(ModuleNotFoundError, match=r"pip install 'rlnode\[verifiers\]'"):
+        asyncio.run(guess_cube().start())
+    with pytest.raises(ModuleNotFoundError, match="verifiers extra"):
+        verifiers_cube.import_verifiers()
