@@ -1,0 +1,92 @@
+"""Small agents for the openai-agent cube tests: each misbehaves (or not) in
+one way. Loaded by path (``tests/agent_fixtures.py:NAME``) or run as a
+command (``python agent_fixtures.py NAME``, task on stdin)."""
+
+import asyncio
+import json
+import os
+import sys
+import time
+
+import httpx
+import openai
+
+
+def _env(base_url: str) -> str:
+    return base_url.rsplit("/v1", 1)[0] + "/env"
+
+
+async def one_call(base_url: str, api_key: str) -> None:
+    llm = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    await llm.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    await llm.close()
+
+
+async def crash(task, base_url, api_key):
+    await one_call(base_url, api_key)
+    raise RuntimeError("agent bug")
+
+
+async def returns_reward(task, base_url, api_key):
+    await one_call(base_url, api_key)
+    return 0.25
+
+
+async def posts_reward(task, base_url, api_key):
+    await one_call(base_url, api_key)
+    async with httpx.AsyncClient(headers={"Authorization": f"Bearer {api_key}"}) as http:
+        (await http.post(_env(base_url) + "/reward", json={"reward": 0.75, "success": True})).raise_for_status()
+    return 0.25  # the posted reward wins
+
+
+async def no_reward(task, base_url, api_key):
+    await one_call(base_url, api_key)
+
+
+async def no_call(task, base_url, api_key):
+    return 1.0
+
+
+async def until_refused(task, base_url, api_key):
+    """Calls until the gateway refuses (max_turns), then breaks on the error."""
+    llm = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages = [{"role": "user", "content": task["prompt"]}]
+    try:
+        while True:
+            r = await llm.chat.completions.create(model="m", messages=messages, max_tokens=4)
+            messages += [r.choices[0].message, {"role": "user", "content": "again"}]
+    finally:
+        await llm.close()
+
+
+def blocking_returns(task, base_url, api_key):
+    """A plain (blocking) function: runs in a thread."""
+    llm = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    llm.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    llm.close()
+    return 0.5
+
+
+def command_main(mode: str) -> int:
+    task = json.load(sys.stdin)
+    base_url, api_key = os.environ["OPENAI_BASE_URL"], os.environ["OPENAI_API_KEY"]
+    asyncio.run(one_call(base_url, api_key))
+    if mode == "hang":
+        # A child in the same process group, then hang: the timeout must kill both.
+        import subprocess
+
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        with open(os.environ["PID_FILE"], "w") as f:
+            json.dump([os.getpid(), child.pid], f)
+        time.sleep(600)
+    if mode == "fail":
+        print("agent says: cannot continue", file=sys.stderr)
+        return 3
+    if mode == "post":
+        with httpx.Client(headers={"Authorization": f"Bearer {api_key}"}) as http:
+            http.post(os.environ["RLNODE_ENV_URL"] + "/reward", json={"reward": float(task["info"]["value"])})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(command_main(sys.argv[1]))

@@ -1,0 +1,190 @@
+"""The openai-agent cube: user agents (a function in the daemon or a
+command) play episodes through the gateway with the real engine; failures
+are retried then counted; nothing outlives an episode."""
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import assert_engine_idle, reference_logprobs
+from rlnode.actor.agent_episode import AgentFailed, run_agent_episode
+from rlnode.actor.engine import SamplingSettings
+from rlnode.actor.episode import ChatRenderer, EpisodeSettings
+from rlnode.actor.gateway import Gateway
+from rlnode.actor.generation import LLMClient
+from rlnode.actor.router import AdmissionRouter
+from rlnode.actor.scheduler import CubeStats, RolloutScheduler, VersionSource
+from rlnode.config import SchedulerConfig
+from rlnode.cubes.base import CubeTaskRef
+from rlnode.cubes.registry import make_cube
+
+pytestmark = pytest.mark.engine
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURES = Path(__file__).resolve().parent / "agent_fixtures.py"
+EXAMPLE = ROOT / "examples" / "guess_openai_sdk.py"
+GUESSING = {"kind": "guessing", "options": {"max_number": 8, "max_turns": 4}}
+SETTINGS = EpisodeSettings(SamplingSettings(max_tokens=12, temperature=1.0), max_turns=6, max_model_len=2048)
+
+
+@pytest.fixture
+def router():
+    return AdmissionRouter(1, 16)
+
+
+@pytest.fixture
+async def gateway(engine, tokenizer, router):
+    gw = Gateway(LLMClient([engine], router), ChatRenderer(tokenizer), SETTINGS)
+    async with gw.serve():
+        yield gw
+    assert not gw.sessions
+    assert router.in_flight == [0]
+    await assert_engine_idle(engine)
+
+
+async def started(options, cube_id="agent"):
+    cube = make_cube(cube_id, "openai-agent", options, seed=0)
+    await cube.start()
+    return cube
+
+
+def tasks_file(tmp_path) -> str:
+    path = tmp_path / "tasks.jsonl"
+    path.write_text("\n".join(json.dumps({"id": f"t{i}", "prompt": f"task {i}", "value": 0.6}) for i in range(20)))
+    return str(path)
+
+
+async def play(gateway, cube, episode_id="g0/e0", settings=SETTINGS):
+    task = await cube.open_task((await cube.task_ids("train"))[0])
+    return task, await run_agent_episode(gateway, task, settings, episode_id, "g0")
+
+
+def check_samples(result, hf_model):
+    samples = result.samples
+    assert len(samples) == result.num_turns >= 1
+    assert [s.step_index for s in samples] == list(range(len(samples)))
+    for s in samples:
+        assert s.reward == result.reward and s.sample_id == f"{result.episode_id}/{s.step_index}"
+        comp = s.completion_token_ids
+        ref = reference_logprobs(hf_model, s.prompt_token_ids.tolist(), comp.tolist(), s.temperature)
+        assert (ref - torch.from_numpy(s.completion_logprobs.copy())).abs().max().item() < 1e-4
+    for prev, nxt in zip(samples, samples[1:]):
+        head = np.concatenate([prev.prompt_token_ids, prev.completion_token_ids])
+        assert np.array_equal(nxt.prompt_token_ids[: len(head)], head)
+
+
+@pytest.mark.parametrize("how", ["function", "command"])
+async def test_example_agent_plays_guessing(how, gateway, hf_model):
+    opts = {"env": GUESSING, "timeout_s": 120}
+    if how == "function":
+        opts["agent"] = f"{EXAMPLE}:play"
+    else:
+        opts["command"] = [sys.executable, str(EXAMPLE)]
+    cube = await started(opts)
+    task, result = await play(gateway, cube)
+    await cube.close()
+    # The reward is the guessing cube's evaluator: solved or not.
+    assert result.reward == float(task.inner.solved) and result.success == task.inner.solved
+    # Every guess was one LLM call; the game ends at its 4 guesses or a hit.
+    assert result.num_turns == len(task.inner.guesses) and 1 <= result.num_turns <= 4
+    assert result.termination_reason == "done"
+    check_samples(result, hf_model)
+    assert gateway.stats.history_resets == 0
+
+
+@pytest.mark.parametrize("agent,reward,success", [
+    ("returns_reward", 0.25, True),
+    ("posts_reward", 0.75, True),
+    ("blocking_returns", 0.5, True),
+])
+async def test_reward_sources(agent, reward, success, gateway, tmp_path):
+    cube = await started({"agent": f"{FIXTURES}:{agent}", "tasks": tasks_file(tmp_path)})
+    _, result = await play(gateway, cube)
+    assert result.reward == reward and result.success == success and result.num_turns == 1
+
+
+async def test_command_agent_posts_reward_from_its_task(gateway, tmp_path):
+    cube = await started({"command": [sys.executable, str(FIXTURES), "post"], "tasks": tasks_file(tmp_path)})
+    _, result = await play(gateway, cube)
+    assert result.reward == pytest.approx(0.6)
+
+
+@pytest.mark.parametrize("agent,why", [
+    ("no_reward", "no reward"),
+    ("no_call", "no LLM call"),
+    ("crash", "agent bug"),
+])
+async def test_agent_failures_fail_the_episode(agent, why, gateway, tmp_path):
+    cube = await started({"agent": f"{FIXTURES}:{agent}", "tasks": tasks_file(tmp_path)})
+    with pytest.raises(AgentFailed, match=why):
+        await play(gateway, cube)
+
+
+async def test_failing_command_reports_its_stderr(gateway, tmp_path):
+    cube = await started({"command": [sys.executable, str(FIXTURES), "fail"], "tasks": tasks_file(tmp_path)})
+    with pytest.raises(Exception, match="exited with 3: agent says: cannot continue"):
+        await play(gateway, cube)
+
+
+async def test_timed_out_command_is_killed_with_its_children(gateway, tmp_path):
+    pid_file = tmp_path / "pids"
+    cube = await started({"command": [sys.executable, str(FIXTURES), "hang"], "tasks": tasks_file(tmp_path),
+                          "env_vars": {"PID_FILE": str(pid_file)}, "timeout_s": 8})
+    with pytest.raises(AgentFailed, match="timed out"):
+        await play(gateway, cube)
+    pids = json.loads(pid_file.read_text())
+    for pid in pids:
+        for _ in range(100):
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.05)
+        else:
+            pytest.fail(f"agent process {pid} outlived its episode")
+
+
+async def test_agent_stopped_by_the_gateway_still_counts(gateway, hf_model):
+    settings = EpisodeSettings(SamplingSettings(max_tokens=6), max_turns=3, max_model_len=2048)
+    cube = await started({"agent": f"{FIXTURES}:until_refused", "env": GUESSING})
+    _, result = await play(gateway, cube, settings=settings)
+    assert result.termination_reason == "max_turns" and result.num_turns == 3
+    assert all(s.termination_reason == "max_turns" for s in result.samples)
+    check_samples(result, hf_model)
+
+
+async def test_scheduler_retries_a_crashing_agent_then_counts_it(engine, tokenizer, router, tmp_path):
+    cube = await started({"agent": f"{FIXTURES}:crash", "tasks": tasks_file(tmp_path)}, "crashy")
+    client = LLMClient([engine], router)
+    renderer = ChatRenderer(tokenizer)
+    gw = Gateway(client, renderer, SETTINGS)
+    cfg = SchedulerConfig(attempts=1, groups_per_step=1, max_retries=2, retry_backoff_s=0.0)
+    sched = RolloutScheduler({"crashy": cube}, {"crashy": 1.0}, [], client, renderer, cfg, SETTINGS,
+                             VersionSource(0), gateway=gw)
+    await sched.prepare()
+    stats = CubeStats()
+    async with gw.serve():
+        out = await sched._episode_with_retries(CubeTaskRef("crashy", "t1"), "g/e0", "g", stats)
+    assert out is None and stats.errors == 1 and stats.retries == 2
+    assert gw.stats.calls == 3 and not gw.sessions  # one call per attempt, every session closed
+    assert router.in_flight == [0]
+    await assert_engine_idle(engine)
+
+
+def test_bad_options_name_the_problem(tmp_path):
+    with pytest.raises(ValueError, match="exactly one of options.agent"):
+        make_cube("x", "openai-agent", {"tasks": tasks_file(tmp_path)}, seed=0)
+    with pytest.raises(ValueError, match="exactly one of options.env"):
+        make_cube("x", "openai-agent", {"agent": "m:f"}, seed=0)
+
+
+async def test_unloadable_agent_fails_at_start(tmp_path):
+    cube = make_cube("x", "openai-agent", {"agent": "no_such_module_xyz:play", "tasks": tasks_file(tmp_path)}, seed=0)
+    with pytest.raises(ValueError, match="no_such_module_xyz"):
+        await cube.start()
