@@ -27,7 +27,6 @@ import contextlib
 import hashlib
 import os
 from collections.abc import Iterable, Sequence
-from datetime import timedelta
 from typing import TYPE_CHECKING, Literal
 
 import msgspec
@@ -36,6 +35,8 @@ if TYPE_CHECKING:
     import socket
 
     import torch
+
+    from rlnode.rendezvous import GlooGroup
 
 Backend = Literal["gloo", "nccl", "cuda_ipc"]
 
@@ -171,6 +172,20 @@ class GroupSpec(msgspec.Struct, frozen=True):
     # Rendezvous and per-collective timeout (s): how long a dead peer can
     # stall the others before the epoch fails.
     timeout_s: float = 300.0
+    # Per-epoch rendezvous secret (hex, ``rendezvous.new_secret``): each rank
+    # proves it holds it before it joins. Travels only inside this message
+    # (over the link, CURVE-encrypted when enabled) and is never logged:
+    # ``__repr__`` leaves it out. "" (a trainer that predates it): every
+    # rank refuses the epoch.
+    secret: str = ""
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{f}={getattr(self, f)!r}" for f in self.__struct_fields__ if f != "secret")
+        return f"GroupSpec({fields}, secret=<{'set' if self.secret else 'empty'}>)"
+
+    def __rich_repr__(self):
+        for f in self.__struct_fields__:
+            yield f, "<hidden>" if f == "secret" else getattr(self, f)
 
     def member(self, actor_id: str) -> GroupMember:
         for m in self.members:
@@ -296,12 +311,14 @@ def unpack_bucket(bucket: Bucket, buf: torch.Tensor) -> list[tuple[str, torch.Te
 class WeightComm:
     """A stateless torch.distributed group for weight broadcasts.
 
-    gloo: ``vllm.distributed.utils.stateless_init_torch_distributed_process_group``
-    and the ProcessGroup's own ``broadcast``/``allreduce`` (group ranks; the
-    ``torch.distributed.*`` wrappers would look up global ranks that a
-    stateless group does not have). nccl: vLLM's ``StatelessProcessGroup``
-    (TCPStore rendezvous) + ``PyNcclCommunicator``, as in vLLM's RLHF
-    examples; buffers live on ``device``. cuda_ipc: a gloo group carries
+    Every backend starts with ``rlnode.rendezvous``: an epoch's TCPStore on
+    the advertised address, where each rank proves it holds the epoch's
+    secret (``GroupSpec.secret``) before any group forms. gloo: a gloo
+    backend on that store whose every connection passed a secret check
+    (``rendezvous.GlooGroup``; its own ``broadcast``/``allreduce`` with group
+    ranks, no global state). nccl: vLLM's ``PyNcclCommunicator``, its
+    unique id sealed with the secret in the store (no pickle); buffers live
+    on ``device``. cuda_ipc: a gloo group carries
     the vote and, per bucket, the IPC handle of rank 0's buffer and the
     workers' acknowledgement (``weight_ipc``); the bytes never leave the GPU.
 
@@ -321,25 +338,25 @@ class WeightComm:
         import torch
 
         self.spec, self.rank, self.device = spec, rank, torch.device(device)
-        self._pg = self._nccl = None
+        self._pg: GlooGroup | None = None
+        self._nccl = None
         self._staging: torch.Tensor | None = None  # gloo: CPU copy of CUDA buckets
         self._ctl_device = self.device if spec.backend == "nccl" else torch.device("cpu")
-        timeout = timedelta(seconds=spec.timeout_s)
-        if spec.backend in ("gloo", "cuda_ipc"):
-            from rlnode.actor import vllm_compat
+        from rlnode.rendezvous import Rendezvous
 
-            self._pg = vllm_compat.stateless_gloo_group(
-                spec.master_host, spec.master_port, rank, spec.world_size, timeout, listen_socket=listen_socket)
-        else:
-            from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
-            from vllm.distributed.utils import StatelessProcessGroup
-
-            store_pg = StatelessProcessGroup.create(
-                spec.master_host, spec.master_port, rank, spec.world_size,
-                store_timeout=int(spec.timeout_s), listen_socket=listen_socket)
-            self._nccl = PyNcclCommunicator(store_pg, device=device)
-            if self._nccl.disabled:
-                raise TransferError("NCCL is not available on this host (PyNcclCommunicator disabled)")
+        # Blocks until rank 0 admitted every rank (each proved it holds the
+        # epoch's secret) or raises RendezvousError.
+        self._rdv = Rendezvous(spec, rank, listen_socket)
+        try:
+            if spec.backend in ("gloo", "cuda_ipc"):
+                self._pg = self._rdv.gloo_group()
+            else:
+                self._nccl = self._rdv.nccl_communicator(device)
+                if self._nccl.disabled:
+                    raise TransferError("NCCL is not available on this host (PyNcclCommunicator disabled)")
+        except BaseException:
+            self.close()
+            raise
 
     def broadcast(self, tensor: torch.Tensor) -> None:
         """In place, from rank 0 to every rank (a flat uint8 tensor for
@@ -434,13 +451,13 @@ class WeightComm:
 
     def close(self) -> None:
         if self._pg is not None:
-            from vllm.distributed.utils import stateless_destroy_torch_distributed_process_group
-
             pg, self._pg = self._pg, None
-            stateless_destroy_torch_distributed_process_group(pg)
+            pg.shutdown()
         if self._nccl is not None:
             nccl, self._nccl = self._nccl, None
             nccl.destroy()
+        # Last: rank 0's store server goes with it (the port closes).
+        self._rdv.close()
 
 
 @contextlib.contextmanager

@@ -10,8 +10,9 @@ Must not touch: engines or actors (the trainer daemon sends ``GroupSpec`` and
 reads parameters).
 
 Epochs: membership of a group never changes. An actor joining or leaving
-means ``new_epoch(...)`` (fresh port, fresh group) and ``open_group(spec)``,
-which closes the previous group first. A failed broadcast (``TransferError``)
+means ``new_epoch(...)`` (fresh port bound to the advertised host, fresh
+secret, fresh group) and ``open_group(spec)``, which closes the previous
+group first. A failed broadcast (``TransferError``)
 leaves the epoch unusable; form a new one.
 
 Blocking: ``open_group``, ``broadcast`` and ``close_group`` wait on the other
@@ -38,6 +39,7 @@ import msgspec
 
 from rlnode.config import WeightSyncConfig
 from rlnode.log import get_logger
+from rlnode.rendezvous import RendezvousError, new_secret, secret_key
 from rlnode.weight_plan import (
     GroupMember,
     GroupSpec,
@@ -206,8 +208,10 @@ class WeightBroadcaster:
 
             if remote := [m.actor_id for m in group if m.host != host_identity()]:
                 raise PlanMismatch(f"weight_sync.backend = cuda_ipc: engines {remote} are not on the trainer's host")
+        # A fresh secret per epoch: it reaches the members inside the spec
+        # (over the link) only, and a member of an old epoch cannot join.
         spec = GroupSpec(self.epoch, self.master_host, port, rank, backend,  # type: ignore[arg-type]
-                         tuple(group), self.timeout_s)
+                         tuple(group), self.timeout_s, secret=new_secret())
         spec.validate()
         return spec
 
@@ -228,14 +232,21 @@ class WeightBroadcaster:
 
     def open_group(self, spec: GroupSpec) -> None:
         """Blocking: rendezvous as rank 0 until every member joined (or
-        ``spec.timeout_s``). Closes the previous epoch's group first."""
+        ``spec.timeout_s``). Closes the previous epoch's group first.
+        Members are admitted by proving they hold ``spec.secret``
+        (``rlnode.rendezvous``); one that shows a wrong proof fails the epoch
+        within seconds, naming its rank."""
         if spec.epoch != self.epoch or spec.epoch not in self._reserved:
             raise PlanMismatch(f"open_group: epoch {spec.epoch} is not the planned epoch {self.epoch}")
+        secret_key(spec)  # no unauthenticated epoch: raises RendezvousError without a secret
         self.close_group()
         t0 = time.monotonic()
         sock = self._reserved.pop(spec.epoch)
         try:
             self._comm = WeightComm(spec, 0, self.device, listen_socket=sock)
+        except RendezvousError:
+            sock.close()
+            raise  # names the rank that failed it
         except Exception as e:
             sock.close()
             raise TransferError(f"group epoch {spec.epoch}: rendezvous failed: {e!r}") from e

@@ -1,0 +1,440 @@
+"""The authenticated rendezvous of a weight-broadcast group epoch.
+
+Owns: the epoch's TCPStore (rank 0 serves it on the socket the trainer
+bound to the advertised address, nothing else), the admission of ranks
+(phase 1), the gloo group built on it with its channel check (phase 2), and
+the pickle-free exchange of the NCCL unique id. ``WeightComm`` is the only
+user. Must not touch: engines, models, the ZeroMQ link (the secret arrives
+inside ``GroupSpec``, which the link carries). Importing this module does
+not import torch or vLLM.
+
+Threat model. A TCPStore has no authentication: whoever reaches its port
+can read (``list_keys`` enumerates them), write and delete every key. So
+nothing in the store is secret and the secret never enters it; the store
+holds only MACs and sealed values. The secret (``GroupSpec.secret``, 32
+random bytes per epoch) travels over the CURVE link only.
+
+  1. Admission (store, before any group exists). Each rank k > 0 appends an
+     attempt ``nonce:HMAC(secret, join/epoch/k/world/nonce)`` under
+     ``proof/k``; rank 0 reads the attempts of every rank and decides. A
+     rank is admitted by its first valid attempt, so garbage an intruder
+     appends cannot keep a legitimate rank out. A rank that shows only
+     invalid attempts for ``PROOF_GRACE_S`` fails the epoch at once, naming
+     the rank (a member given the wrong secret fails in seconds, not after
+     the epoch timeout). Rank 0 then writes its verdict, MACed so that no
+     one else can forge it; every rank waits for it.
+  2. Channel check (gloo). Gloo publishes its listening addresses in the
+     store in clear, and its TCP connections carry no credentials: an
+     intruder who read the store could connect to a listener as some rank.
+     Before the group is used, every rank therefore sends each peer
+     ``HMAC(secret, channel/epoch/me/peer)`` over that very connection and
+     checks what comes back; one all-reduce makes every rank fail together
+     if any connection failed. No bucket flows on an unchecked connection.
+  3. NCCL. vLLM's ``StatelessProcessGroup`` unpickles what it reads from the
+     store (code execution for anyone reaching the port); it is not used.
+     Rank 0 seals the ncclUniqueId with the secret and the others open it:
+     only members learn the id, and NCCL's bootstrap admits only peers that
+     present it.
+
+What it does not stop: a peer that reaches the ports can make an epoch fail
+(delete keys, append bad proofs, take a gloo connection); every such case
+ends in a ``RendezvousError`` within the epoch's timeout, and rank 0 names
+the rank. The weight bytes themselves are neither encrypted nor MACed: an
+on-path attacker between two members can read or alter them after the
+check. Keep the weight-sync ports on a trusted network.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import hmac
+import secrets
+import socket
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+from rlnode.log import get_logger
+from rlnode.weight_plan import GroupSpec, TransferError
+
+if TYPE_CHECKING:
+    import torch
+
+log = get_logger("rlnode.rendezvous")
+
+SECRET_BYTES = 32
+# How long rank 0 waits for a valid proof of a rank after it saw an invalid
+# one (and a rank waits on a verdict it cannot verify): long enough for the
+# legitimate rank to arrive beside an intruder's garbage, short next to the
+# epoch timeout (minutes).
+PROOF_GRACE_S = 3.0
+# Attempts rank 0 reads per rank: bounds the work an intruder can make it do.
+MAX_PROOF_ATTEMPTS = 16
+POLL_S = 0.02
+MAC_HEX = 64  # sha256
+_CHANNEL_TAG = 7301  # gloo send/recv tag of the channel check
+
+
+class RendezvousError(TransferError):
+    """The epoch's rendezvous failed: a rank did not prove it holds the
+    secret, did not come in time, or the store was tampered with. The epoch
+    is unusable, as after any ``TransferError``: form a new one."""
+
+
+def new_secret() -> str:
+    """A fresh per-epoch secret (hex), made by the trainer for each epoch."""
+    return secrets.token_hex(SECRET_BYTES)
+
+
+def secret_key(spec: GroupSpec) -> bytes:
+    """The MAC key of ``spec``'s epoch. Refuses an epoch without a secret
+    (a trainer too old to send one): no unauthenticated rendezvous."""
+    try:
+        key = bytes.fromhex(spec.secret)
+    except ValueError:
+        key = b""
+    if len(key) < 16:
+        raise RendezvousError(f"group epoch {spec.epoch}: no valid rendezvous secret in the spec; "
+                              "refusing an unauthenticated rendezvous (is the trainer older than this actor?)")
+    return key
+
+
+def mac(key: bytes, *parts: object) -> str:
+    """HMAC-SHA256 over the parts joined by '/'; the first part names the
+    purpose, so a MAC made for one step is never valid for another."""
+    return hmac.new(key, "/".join(map(str, parts)).encode(), hashlib.sha256).hexdigest()
+
+
+def seal(key: bytes, label: str, data: bytes) -> bytes:
+    """Encrypt-then-MAC ``data`` (nonce | ciphertext | tag). Stream cipher:
+    SHAKE-256 keyed with a key derived for ``label``, over a random nonce;
+    tag: HMAC-SHA256. The standard library only: rlnode adds no crypto
+    dependency for one short value per epoch."""
+    enc, auth = (hmac.new(key, f"seal/{part}/{label}".encode(), hashlib.sha256).digest() for part in ("enc", "mac"))
+    nonce = secrets.token_bytes(16)
+    stream = hashlib.shake_256(enc + nonce).digest(len(data))
+    body = nonce + bytes(a ^ b for a, b in zip(data, stream))
+    return body + hmac.new(auth, body, hashlib.sha256).digest()
+
+
+def unseal(key: bytes, label: str, blob: bytes) -> bytes | None:
+    """``data`` of ``seal``, or None when ``blob`` was not sealed with
+    ``key`` for ``label`` (tampered, or another secret)."""
+    enc, auth = (hmac.new(key, f"seal/{part}/{label}".encode(), hashlib.sha256).digest() for part in ("enc", "mac"))
+    body, tag = blob[:-32], blob[-32:]
+    if len(body) < 16 or not hmac.compare_digest(tag, hmac.new(auth, body, hashlib.sha256).digest()):
+        return None
+    nonce, ct = body[:16], body[16:]
+    return bytes(a ^ b for a, b in zip(ct, hashlib.shake_256(enc + nonce).digest(len(ct))))
+
+
+def _serve(host: str, port: int, listen_socket: socket.socket | None, timeout: timedelta):
+    """Rank 0: the store's server on ``listen_socket`` (bound by the trainer
+    to the advertised host). Without one, bind ``host`` here: TCPStore's own
+    server would listen on every interface."""
+    import torch.distributed as dist
+
+    if listen_socket is None:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        listen_socket = socket.create_server((host, port), family=family)
+    fd = listen_socket.detach()
+    try:
+        # wait_for_workers=False: the server never counts connections, so
+        # an intruder's connections cannot stand in for members.
+        return dist.TCPStore(host, port, is_master=True, master_listen_fd=fd, wait_for_workers=False, timeout=timeout)
+    except Exception:
+        socket.close(fd)
+        raise
+
+
+@dataclass
+class _Claim:
+    """What rank 0 has read of one rank's proof attempts."""
+
+    seen: set[int] = field(default_factory=set)  # attempt indices read
+    admitted: bool = False  # one of them was valid
+    first_invalid: float = 0.0  # monotonic time of the first invalid one (0: none)
+
+    def refuted(self, now: float) -> bool:
+        """Only invalid proofs, for the grace period or up to the cap."""
+        if self.admitted or not self.first_invalid:
+            return False
+        return now - self.first_invalid > PROOF_GRACE_S or len(self.seen) >= MAX_PROOF_ATTEMPTS
+
+
+class Rendezvous:
+    """One rank's side of an epoch's store. Construction blocks until rank
+    0 admitted every rank (phase 1) or raises ``RendezvousError``; then
+    ``gloo_group`` or ``nccl_communicator`` builds the transport."""
+
+    def __init__(self, spec: GroupSpec, rank: int, listen_socket: socket.socket | None = None):
+        import torch.distributed as dist
+
+        self.spec, self.rank = spec, rank
+        self.timeout = timedelta(seconds=spec.timeout_s)
+        self._key = secret_key(spec)
+        self._base = f"rlnode/e{spec.epoch}/"
+        if rank == 0:
+            self.store = _serve(spec.master_host, spec.master_port, listen_socket, self.timeout)
+        else:
+            try:
+                self.store = dist.TCPStore(spec.master_host, spec.master_port, is_master=False, timeout=self.timeout)
+            except Exception as e:
+                raise RendezvousError(f"group epoch {spec.epoch}: rank {rank} cannot reach the rendezvous "
+                                      f"{spec.master_host}:{spec.master_port}: {e}") from e
+        try:
+            if rank == 0:
+                self._admit_all()
+            else:
+                self._prove()
+        except BaseException:
+            self.close()
+            raise
+
+    # -- phase 1: admission --------------------------------------------------
+
+    def _prove(self) -> None:
+        """Rank k > 0: append a proof attempt, then wait for rank 0's verdict."""
+        spec, k = self.spec, self.rank
+        nonce = secrets.token_hex(16)
+        attempt = self.store.add(f"{self._base}proof/{k}/n", 1)
+        if attempt > MAX_PROOF_ATTEMPTS:
+            raise RendezvousError(f"group epoch {spec.epoch}: rank {k} found {attempt - 1} proofs for its rank "
+                                  "already (someone else claims it)")
+        self.store.set(f"{self._base}proof/{k}/{attempt}", f"{nonce}:{mac(self._key, 'join', spec.epoch, k, spec.world_size, nonce)}")
+        self._await_verdict()
+
+    def _await_verdict(self) -> None:
+        spec, key = self.spec, f"{self._base}admit"
+        ok, refused = (mac(self._key, "admit", spec.epoch, spec.world_size, v) for v in ("ok", "refused"))
+        deadline, unverified_since = time.monotonic() + spec.timeout_s, None
+        while True:
+            try:
+                value = self.store.get(key).decode(errors="replace") if self.store.check([key]) else None
+            except Exception as e:  # rank 0 closed the store: it gave up on the epoch
+                raise RendezvousError(f"group epoch {spec.epoch}: rank {self.rank} lost the rendezvous "
+                                      f"(the trainer refused or abandoned the epoch): {e}") from e
+            if value is not None and hmac.compare_digest(value, ok):
+                return
+            if value is not None and hmac.compare_digest(value, refused):
+                raise RendezvousError(f"group epoch {spec.epoch}: the trainer refused the epoch (its log says why)")
+            now = time.monotonic()
+            if value is not None:
+                unverified_since = unverified_since or now
+                if now - unverified_since > PROOF_GRACE_S:
+                    raise RendezvousError(f"group epoch {spec.epoch}: rank {self.rank} cannot verify the trainer's "
+                                          "admission (this rank holds another secret, or someone else wrote it)")
+            if now > deadline:
+                raise RendezvousError(f"group epoch {spec.epoch}: rank {self.rank} not admitted within {spec.timeout_s:.0f} s")
+            time.sleep(POLL_S)
+
+    def _admit_all(self) -> None:
+        """Rank 0: read every rank's attempts until each has a valid one,
+        then publish the verdict. Fails fast for a rank that shows only
+        invalid proofs, and at the timeout for ranks that never came."""
+        spec = self.spec
+        claims = {k: _Claim() for k in range(1, spec.world_size)}
+        deadline = time.monotonic() + spec.timeout_s
+        try:
+            while True:
+                for k, claim in claims.items():
+                    if not claim.admitted:
+                        self._read_attempts(k, claim)
+                if not (pending := [k for k, c in claims.items() if not c.admitted]):
+                    break
+                now = time.monotonic()
+                if bad := [k for k in pending if claims[k].refuted(now)]:
+                    raise RendezvousError(f"group epoch {spec.epoch}: rank(s) {bad} did not prove they hold the "
+                                          "epoch's secret (a wrong secret, or a peer outside the epoch claiming the rank)")
+                if now > deadline:
+                    raise RendezvousError(f"group epoch {spec.epoch}: rank(s) {pending} did not join "
+                                          f"within {spec.timeout_s:.0f} s")
+                time.sleep(POLL_S)
+        except RendezvousError as e:
+            log.warning("rendezvous.refused", epoch=spec.epoch, error=str(e))
+            self._verdict("refused")
+            raise
+        self._verdict("ok")
+
+    def _read_attempts(self, k: int, claim: _Claim) -> None:
+        """Read rank ``k``'s new attempts into ``claim``. An index counted
+        but not yet written is read on a later pass, and never holds up the
+        attempts after it."""
+        spec = self.spec
+        count = min(self.store.add(f"{self._base}proof/{k}/n", 0), MAX_PROOF_ATTEMPTS)
+        for i in range(1, count + 1):
+            key = f"{self._base}proof/{k}/{i}"
+            if i in claim.seen or not self.store.check([key]):
+                continue
+            claim.seen.add(i)
+            nonce, _, got = self.store.get(key).decode(errors="replace").partition(":")
+            if len(got) == MAC_HEX and hmac.compare_digest(got, mac(self._key, "join", spec.epoch, k, spec.world_size, nonce)):
+                claim.admitted = True
+                return
+            claim.first_invalid = claim.first_invalid or time.monotonic()
+            log.warning("rendezvous.bad_proof", epoch=spec.epoch, rank=k, attempt=i)
+
+    def _verdict(self, verdict: str) -> None:
+        self.store.set(f"{self._base}admit", mac(self._key, "admit", self.spec.epoch, self.spec.world_size, verdict))
+
+    # -- sealed values (NCCL unique id) ----------------------------------------
+
+    def publish(self, name: str, data: bytes) -> None:
+        """Rank 0: put ``data`` in the store, sealed with the secret."""
+        self.store.set(f"{self._base}sealed/{name}", seal(self._key, f"{self.spec.epoch}/{name}", data))
+
+    def fetch(self, name: str) -> bytes:
+        """Ranks > 0: wait for (up to the timeout) and open rank 0's value."""
+        try:
+            blob = self.store.get(f"{self._base}sealed/{name}")
+        except Exception as e:
+            raise RendezvousError(f"group epoch {self.spec.epoch}: no {name} from the trainer: {e}") from e
+        data = unseal(self._key, f"{self.spec.epoch}/{name}", blob)
+        if data is None:
+            raise RendezvousError(f"group epoch {self.spec.epoch}: the {name} in the store is not sealed with "
+                                  "this epoch's secret (tampered with)")
+        return data
+
+    # -- transports ------------------------------------------------------------
+
+    def gloo_group(self) -> GlooGroup:
+        """Phase 2 on gloo: the group, checked connection by connection."""
+        import torch.distributed as dist
+
+        # Keys under a name derived from the secret: members who hold
+        # another secret never meet in one namespace (an intruder can still
+        # list it: the channel check is what keeps it out).
+        tag = mac(self._key, "gloo-namespace", self.spec.epoch)[:16]
+        store = dist.PrefixStore(f"{self._base}gloo/{tag}/", self.store)
+        return GlooGroup(store, self.rank, self.spec, self._key, self.timeout)
+
+    def nccl_communicator(self, device):
+        """A ``PyNcclCommunicator`` whose unique id travelled sealed."""
+        from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+
+        return PyNcclCommunicator(unique_id_group(self), device=device)
+
+    def close(self) -> None:
+        """Drop the store (rank 0: its server stops once the group that
+        holds it is gone too)."""
+        self.store = None
+
+
+class GlooGroup:
+    """A gloo backend whose every connection passed the channel check: the
+    collectives ``WeightComm`` uses, with its call shapes."""
+
+    def __init__(self, store, rank: int, spec: GroupSpec, key: bytes, timeout: timedelta):
+        import torch.distributed as dist
+
+        self.rank, self.size, self.timeout = rank, spec.world_size, timeout
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = timeout
+        # Rank 0 listens for gloo connections on the advertised address too
+        # (an unspecified address there means the operator chose all).
+        host = spec.master_host if rank == 0 and spec.master_host not in ("", "0.0.0.0", "::") else ""
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host) if host
+                         else dist.ProcessGroupGloo.create_default_device()]
+        try:
+            self._pg = dist.ProcessGroupGloo(store, rank, spec.world_size, opts)
+        except Exception as e:
+            raise RendezvousError(f"group epoch {spec.epoch}: rank {rank}: gloo connect failed: {e}") from e
+        try:
+            prove_channels(self._pg, key, spec.epoch, rank, spec.world_size, timeout)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def broadcast(self, tensor: torch.Tensor, root: int):
+        import torch.distributed as dist
+
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor, opts.timeout = root, 0, self.timeout
+        return self._pg.broadcast([tensor], opts)
+
+    def allreduce(self, tensors: list[torch.Tensor]):
+        import torch.distributed as dist
+
+        opts = dist.AllreduceOptions()
+        opts.timeout = self.timeout
+        return self._pg.allreduce(tensors, opts)
+
+    def shutdown(self) -> None:
+        pg, self._pg = self._pg, None
+        if pg is not None:
+            pg.shutdown()
+
+
+def prove_channels(pg, key: bytes, epoch: int, rank: int, world_size: int, timeout: timedelta) -> None:
+    """Phase 2: over each gloo connection, send the peer a MAC naming both
+    ends and check the peer's; then agree on the outcome (one all-reduce),
+    so that every rank fails together. Raises RendezvousError naming the
+    peers (by the rank they connected as) that do not hold the secret."""
+    import torch
+    import torch.distributed as dist
+
+    peers = [j for j in range(world_size) if j != rank]
+    mine = {j: torch.frombuffer(bytearray(bytes.fromhex(mac(key, "channel", epoch, rank, j))), dtype=torch.uint8)
+            for j in peers}
+    theirs = {j: torch.zeros(MAC_HEX // 2, dtype=torch.uint8) for j in peers}
+    try:
+        works = [pg.send([mine[j]], j, _CHANNEL_TAG) for j in peers]
+        works += [pg.recv([theirs[j]], j, _CHANNEL_TAG) for j in peers]
+        for w in works:
+            w.wait(timeout)
+        bad = [j for j in peers if not hmac.compare_digest(
+            theirs[j].numpy().tobytes(), bytes.fromhex(mac(key, "channel", epoch, j, rank)))]
+        total = torch.tensor([len(bad)], dtype=torch.int64)
+        opts = dist.AllreduceOptions()
+        opts.timeout = timeout
+        pg.allreduce([total], opts).wait(timeout)
+    except Exception as e:
+        raise RendezvousError(f"group epoch {epoch}: rank {rank}: channel check failed: {e}") from e
+    if bad:
+        log.warning("rendezvous.bad_channel", epoch=epoch, rank=rank, peers=bad)
+        raise RendezvousError(f"group epoch {epoch}: rank {rank}: the peer(s) connected as rank(s) {bad} "
+                              "do not hold the epoch's secret")
+    if int(total.item()):
+        raise RendezvousError(f"group epoch {epoch}: {int(total.item())} connection(s) between other ranks "
+                              "failed the secret check")
+
+
+@functools.cache
+def _unique_id_group_class():
+    """vLLM's ``PyNcclCommunicator.__init__`` takes a ``StatelessProcessGroup``
+    (an isinstance check) and calls on it exactly: ``rank``, ``world_size``
+    and ``broadcast_obj(unique_id, src=0)`` (vLLM 0.26 to 0.32). This
+    subclass provides those without pickle; every other method of the base
+    class (each would pickle over the store) raises."""
+    from vllm.distributed.device_communicators.pynccl_wrapper import NCCL_UNIQUE_ID_BYTES, ncclUniqueId
+    from vllm.distributed.utils import StatelessProcessGroup
+
+    def refuse(self, *args, **kwargs):
+        raise NotImplementedError("rlnode's NCCL rendezvous group carries the ncclUniqueId only (no pickle)")
+
+    class UniqueIdGroup(StatelessProcessGroup):
+        rendezvous: Rendezvous
+
+        def broadcast_obj(self, obj, src: int):
+            if src != 0 or not isinstance(obj, ncclUniqueId):
+                raise NotImplementedError("rlnode's NCCL rendezvous group broadcasts rank 0's ncclUniqueId only")
+            if self.rank == 0:
+                self.rendezvous.publish("nccl-unique-id", bytes(obj.internal))
+                return obj
+            data = self.rendezvous.fetch("nccl-unique-id")
+            if len(data) != NCCL_UNIQUE_ID_BYTES:
+                raise RendezvousError(f"ncclUniqueId of {len(data)} bytes, expected {NCCL_UNIQUE_ID_BYTES}")
+            return ncclUniqueId.from_buffer_copy(data)
+
+    for name in ("send_obj", "recv_obj", "all_gather_obj", "broadcast", "send", "recv", "all_reduce", "barrier"):
+        setattr(UniqueIdGroup, name, refuse)
+    return UniqueIdGroup
+
+
+def unique_id_group(rdv: Rendezvous):
+    """The pickle-free group ``PyNcclCommunicator`` exchanges its id on."""
+    group = _unique_id_group_class()(rank=rdv.rank, world_size=rdv.spec.world_size, store=rdv.store)
+    group.rendezvous = rdv
+    return group
