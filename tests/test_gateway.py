@@ -206,3 +206,74 @@ def test_split_tool_calls_and_stream_prefix():
     bad = "x <tool_call>{not json</tool_call>"
     assert split_tool_calls(bad) == (bad, [])
     assert split_tool_calls("plain") == ("plain", [])
+
+
+class _GatewayRole:
+    """The part of the actor role the ops endpoint sees (routes + bound URL)."""
+
+    name = "actor"
+
+    def __init__(self, gw):
+        self.gw = gw
+
+    def add_http_routes(self, app):
+        self.gw.add_routes(app)
+
+    def http_bound(self, url):
+        self.gw.url = url
+
+    def healthy(self):
+        return True, ""
+
+    def status(self):
+        return {}
+
+    def prometheus(self):
+        return []
+
+    def gauges(self):
+        return {}
+
+    def history(self):
+        return {}
+
+
+async def test_mounted_on_the_ops_endpoint_behind_its_token(engine, tokenizer, router):
+    """On the ops endpoint, everything else needs the ops bearer token;
+    episode paths need their own key instead (agents never see the ops token)."""
+    import aiohttp
+
+    from rlnode.ops.http import OpsServer
+
+    gw = Gateway(LLMClient([engine], router), ChatRenderer(tokenizer), SETTINGS)
+    ops = OpsServer([_GatewayRole(gw)], "127.0.0.1", 0, token="ops-secret")
+    await ops.start()
+    try:
+        assert gw.url == f"http://127.0.0.1:{ops.port}"
+        async with gw.session("ep-ops") as s, aiohttp.ClientSession() as http:
+            client = client_for(s)
+            r = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+            assert r.usage.completion_tokens == len(s.calls[0].generation.completion.token_ids)
+            await client.close()
+            async with http.get(f"{gw.url}/status", headers={"Authorization": f"Bearer {s.api_key}"}) as resp:
+                assert resp.status == 401  # an episode key is not the ops token
+            async with http.get(f"{gw.url}/status", headers={"Authorization": "Bearer ops-secret"}) as resp:
+                assert resp.status == 200
+    finally:
+        await ops.close()
+
+
+async def test_greedy_evaluation_settings_win_over_the_agents_temperature(engine, tokenizer, router):
+    greedy = EpisodeSettings(SamplingSettings(max_tokens=8, temperature=0.0), max_turns=4, max_model_len=2048)
+    gw = Gateway(LLMClient([engine], router), ChatRenderer(tokenizer), SETTINGS)
+    outs = []
+    async with gw.serve():
+        for _ in range(2):
+            async with gw.session("ep-eval", settings=greedy) as s:
+                client = client_for(s)
+                r = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}],
+                                                         temperature=0.7)
+                outs.append(s.calls[0].generation.completion.token_ids)
+                await client.close()
+            assert s.calls[0].temperature == 0.0 and r.choices[0].message is not None
+    assert outs[0] == outs[1]  # greedy: the same tokens twice

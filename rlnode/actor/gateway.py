@@ -365,7 +365,9 @@ class Gateway:
             raise GatewayError(400, "stop sequences are not supported: samples are token-exact and end at the "
                                     "model's end of turn", param="stop")
         temperature = base.temperature if req.temperature is None else req.temperature
-        if not 0 < temperature <= base.temperature + 1e-9:
+        if base.temperature == 0:  # greedy evaluation (scheduler.eval_temperature = 0): not trained on
+            temperature = 0.0
+        elif not 0 < temperature <= base.temperature + 1e-9:
             raise GatewayError(400, f"temperature must be in (0, {base.temperature}] (actor.sampling.temperature; "
                                     "samples are scored at logits / temperature)", param="temperature")
         if req.top_p is not None and abs(req.top_p - base.top_p) > 1e-9:
