@@ -208,3 +208,93 @@ def test_options_validate_without_verifiers_and_missing_extra_is_named(monkeypat
         asyncio.run(guess_cube().start())
     with pytest.raises(ModuleNotFoundError, match="verifiers extra"):
         verifiers_cube.import_verifiers()
+
+
+# -- through the real gateway and engine -----------------------------------------
+
+
+@pytest.mark.engine
+async def test_gateway_episodes_samples_rubric_reward_and_token_parity(vf, engine, tokenizer):
+    from rlnode.actor.agent_episode import run_agent_episode
+    from rlnode.actor.engine import SamplingSettings
+    from rlnode.actor.episode import ChatRenderer, EpisodeSettings
+    from rlnode.actor.gateway import Gateway
+    from rlnode.actor.generation import LLMClient
+    from rlnode.actor.router import AdmissionRouter
+    from rlnode.cubes.vf_guess import play
+    from rlnode.wire import unpack_i32
+
+    from conftest import assert_engine_idle
+
+    settings = EpisodeSettings(SamplingSettings(max_tokens=2, temperature=1.0), max_turns=8, max_model_len=2048)
+    router = AdmissionRouter(1, 16)
+    renderer = ChatRenderer(tokenizer)
+    gw = Gateway(LLMClient([engine], router), renderer, settings, model_name="tiny")
+    cube = guess_cube(num_train=8, env_args={"taskset": {"max_number": 5, "max_turns": 3}})
+    await cube.start()
+    tasks = [await cube.open_task(t) for t in await cube.task_ids("train")]
+    async with gw.serve():
+        results = await asyncio.gather(*(run_agent_episode(gw, t, settings, f"ep-{i}", "g") for i, t in
+                                         enumerate(tasks)))
+    assert router.in_flight == [0]
+    await assert_engine_idle(engine)
+    assert gw.stats.history_resets == 0 and gw.stats.errors == 0
+    assert gw.stats.calls == sum(len(r.samples) for r in results)
+    for task, r in zip(tasks, results):
+        # Every LLM call the environment made is one sample, in order.
+        assert [s.step_index for s in r.samples] == list(range(len(r.samples)))
+        assert task.info["metrics"] == [{"guesses": float(len(r.samples))}]
+        # The reward is the rubric's, and the rubric is the game: replaying
+        # the completions the engine produced gives the same outcome.
+        replies = []
+        for s in r.samples:
+            ids = unpack_i32(s.completion_ids).tolist()
+            replies.append(renderer.decode(ids[:-1] if ids and ids[-1] == renderer.eos_id else ids))
+        solved, used = play(task.task.data.answer, replies, 3)
+        assert used == len(r.samples) and r.reward == task.reward == float(solved)
+        assert {s.reward for s in r.samples} == {r.reward}
+        # Multi-turn token parity: prompt k+1 = prompt k + completion k + the
+        # feedback's template tokens.
+        for prev, nxt in zip(r.samples, r.samples[1:]):
+            head = unpack_i32(prev.prompt_ids).tolist() + unpack_i32(prev.completion_ids).tolist()
+            assert unpack_i32(nxt.prompt_ids).tolist()[: len(head)] == head
+
+
+def _train(tmp_path, model, steps: int, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "rlnode", "--role", "all", "--config", str(ROOT / "conf/verifiers-guess.toml"),
+         "--log-json", "--set", f"model.path={model}", "--set", f"run.run_dir={tmp_path / 'run'}",
+         "--set", f"trainer.max_steps={steps}", "--set", "actor.scheduler.eval_every=0",
+         "--set", "actor.scheduler.groups_per_step=2", "--set", "actor.scheduler.attempts=4",
+         "--set", f"trainer.port={free_port()}", "--set", "http.trainer_port=0", "--set", "http.actor_port=0",
+         "--set", f"trainer.weights.base_port={free_port()}", *extra],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "VLLM_CONFIGURE_LOGGING": "0"},
+    )
+
+
+@pytest.mark.engine
+def test_a_verifiers_environment_trains_end_to_end(vf, tmp_path):
+    """`rlnode --role all` on conf/verifiers-guess.toml: the trainer takes its
+    steps on samples from the verifiers cube, every sample of every group
+    arrives, no episode fails."""
+    from rlnode.tiny_model import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "model", seed=0)
+    steps = 3
+    r = _train(tmp_path, model, steps)
+    assert r.returncode == 0, r.stderr[-3000:]
+    records = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    step_records = [x for x in records if "step" in x]
+    assert len(step_records) == steps, records
+    for x in step_records:
+        # 2 whole groups of 4 episodes, each 1..3 LLM calls (one sample each).
+        assert x["groups"] == 2 and x["dropped_stale"] == 0, x
+        assert 8 <= x["samples"] <= 24 and x["weights_pushed"], x
+    events = [json.loads(l) for l in r.stderr.splitlines() if l.startswith("{")]
+    assert not [e for e in events if e.get("level") == "error"]
+    # The actor's own count at shutdown: every episode played, none failed.
+    (stopped,) = [e for e in events if e["event"] == "actor.stopped"]
+    stats = stopped["cubes"]["vf-guess"]
+    assert stats["groups"] >= 2 * steps and stats["episodes"] == 4 * stats["groups"]
+    assert stats["errors"] == stats["retries"] == stats["groups_dropped"] == 0, stats
+    assert 1.0 <= stats["turns_mean"] <= 3.0
