@@ -19,7 +19,7 @@ import sys
 from rlnode import __version__
 
 ROLES = ("trainer", "actor", "all")
-BENCHES = ("router", "transport", "weights", "async", "fuzz", "trainer")
+BENCHES = ("router", "transport", "weights", "async", "fuzz", "trainer", "gateway")
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -104,7 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "weights: one in-flight weight update vs a bare gloo broadcast; "
                        "async: wall time to N optimizer steps, pipelined vs sync; "
                        "fuzz: hostile frames at a live trainer (rejected/s, crashes, steps trained); "
-                       "trainer: Learner.train_step vs transformers + AdamW (tokens/s, MFU, peak memory)")
+                       "trainer: Learner.train_step vs transformers + AdamW (tokens/s, MFU, peak memory); "
+                       "gateway: the guessing game through the OpenAI-compatible gateway (openai-SDK agent) "
+                       "vs the native agent loop (tokens/s; --requests = episodes per round)")
     _add_config_args(bench)
     bench.add_argument("--model", metavar="PATH", help="model directory (overrides model.path)")
     bench.add_argument("--concurrency", type=int, default=32, help="concurrent requests (default 32)")

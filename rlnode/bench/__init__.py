@@ -80,4 +80,13 @@ def run_bench(name: str, cfg: Config, args) -> int:
         else:
             print_table(res)
         return 0
+    if name == "gateway":
+        from rlnode.bench.gateway import bench_gateway, print_table
+
+        res = asyncio.run(bench_gateway(cfg, args.concurrency, args.requests, args.max_tokens, args.rounds, log))
+        if args.json:
+            print(msgspec.json.encode(res).decode())
+        else:
+            print_table(res)
+        return 0
     raise SystemExit(f"unknown benchmark {name!r}")
