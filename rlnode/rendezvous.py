@@ -209,7 +209,9 @@ class Rendezvous:
     def _await_verdict(self) -> None:
         spec, key = self.spec, f"{self._base}admit"
         ok, refused = (mac(self._key, "admit", spec.epoch, spec.world_size, v) for v in ("ok", "refused"))
-        deadline, unverified_since = time.monotonic() + spec.timeout_s, None
+        # Later than rank 0's own deadline, so that its verdict (it names
+        # the missing ranks) arrives before this rank gives up.
+        deadline, unverified_since = time.monotonic() + spec.timeout_s + PROOF_GRACE_S, None
         while True:
             try:
                 value = self.store.get(key).decode(errors="replace") if self.store.check([key]) else None
