@@ -238,6 +238,12 @@ def override(forced: Api) -> Iterator[Api]:
 def stateless_gloo_group(host: str, port: int, rank: int, world_size: int, timeout: timedelta, listen_socket=None):
     """A stateless gloo ProcessGroup whose collectives time out after ``timeout``.
 
+    Not used for weight groups: its rendezvous is unauthenticated (the store
+    prefix is the public ``tcp://host:port``, any peer reaching the port can
+    take a rank). ``WeightComm`` builds its groups with ``rlnode.rendezvous``,
+    which needs nothing version-specific from vLLM. Kept while
+    ``tests/test_vllm_compat.py`` exercises the 0.26 fallback below.
+
     Without the ``timeout`` argument (0.26), the group is built with vLLM's
     default and the timeout set afterwards on the store and on the gloo
     backend (what ``torch.distributed`` does for ``_set_pg_timeout``): every
