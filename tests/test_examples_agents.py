@@ -1,0 +1,272 @@
+"""The example agents (``examples/guess_*.py``) trained through the gateway.
+
+* The Agents SDK guesser plays the guessing game through the real gateway
+  and the real tiny engine (the ``openai-agent`` cube, ``run_agent_episode``):
+  one sample per LLM call, prompt k+1 extends prompt k + completion k token
+  for token, the reward is the game's.
+* A tool-call round trip, against a *scripted policy*: the tiny random model
+  never writes ``<tool_call>`` markup, so a stand-in for ``LLMClient``
+  returns pre-tokenised completions. It checks the SDK side (the Agents SDK
+  gets ``tool_calls``, runs the tool against the game, re-sends the history,
+  and the gateway extends the last prompt exactly), also when streamed.
+* ``rlnode --role all --config examples/guess_openai_sdk.toml``, shortened:
+  training steps happen on samples from the ``openai-agent`` cube and no
+  episode or group is lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import openai
+import pytest
+import torch
+
+from conftest import assert_engine_idle, reference_logprobs
+from daemons import ROOT, free_port
+from rlnode.actor.agent_episode import run_agent_episode
+from rlnode.actor.engine import Completion, SamplingSettings
+from rlnode.actor.episode import ChatRenderer, EpisodeSettings
+from rlnode.actor.gateway import Gateway
+from rlnode.actor.generation import Generation, LLMClient
+from rlnode.actor.router import AdmissionRouter, LeaseMetadata
+from rlnode.cubes.registry import make_cube
+from rlnode.cubes.tasks import first_number
+from rlnode.wire import unpack_f32, unpack_i32
+
+AGENTS_SDK = ROOT / "examples" / "guess_agents_sdk.py"
+GAME = {"kind": "guessing", "options": {"max_number": 5, "max_turns": 3, "feedback": "range"}}
+
+
+def load_example(path):
+    spec = importlib.util.spec_from_file_location(f"example_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+async def agent_cube(path=AGENTS_SDK):
+    cube = make_cube("guess", "openai-agent", {"agent": f"{path}:play", "env": GAME}, seed=0)
+    await cube.start()
+    return cube
+
+
+async def task_with_target(cube, target: int) -> str:
+    return next(t for t in await cube.task_ids("train") if cube.inner.target(t) == target)
+
+
+def rows(sample):
+    return unpack_i32(sample.prompt_ids).tolist(), unpack_i32(sample.completion_ids).tolist()
+
+
+def assert_extends(samples) -> None:
+    """Prompt k+1 starts with prompt k + completion k, token for token."""
+    for prev, nxt in zip(samples, samples[1:]):
+        p, c = rows(prev)
+        assert rows(nxt)[0][: len(p) + len(c)] == p + c
+
+
+# -- the real engine -------------------------------------------------------------
+
+
+@pytest.mark.engine
+async def test_agents_sdk_agent_plays_through_the_gateway(engine, tokenizer, hf_model):
+    settings = EpisodeSettings(SamplingSettings(max_tokens=4, temperature=1.0), max_turns=8, max_model_len=2048)
+    router = AdmissionRouter(1, 16)
+    renderer = ChatRenderer(tokenizer)
+    gw = Gateway(LLMClient([engine], router), renderer, settings, model_name="tiny")
+    cube = await agent_cube()
+    ids = (await cube.task_ids("train"))[:4]
+    async with gw.serve():
+        tasks = [await cube.open_task(t) for t in ids]
+        results = await asyncio.gather(*(run_agent_episode(gw, t, settings, f"ep{i}", "g0")
+                                         for i, t in enumerate(tasks)))
+    await cube.close()
+    assert router.in_flight == [0]
+    await assert_engine_idle(engine)
+
+    assert gw.stats.history_resets == 0 and gw.stats.errors == 0
+    assert gw.stats.calls == sum(len(r.samples) for r in results)
+    for task_id, r in zip(ids, results):
+        # One sample per LLM call, in call order; every call was a guess.
+        assert [s.step_index for s in r.samples] == list(range(r.num_turns))
+        assert 1 <= r.num_turns <= 3 and r.termination_reason == "done"
+        assert_extends(r.samples)
+        # The SDK offered the model its guess tool (rendered by the template).
+        assert '"name": "guess"' in tokenizer.decode(rows(r.samples[0])[0])
+        # The reward is the game's: solved iff the last plain-text reply
+        # named the target; the game ended then, or after its 3 guesses.
+        guesses = []
+        for s in r.samples:
+            c = rows(s)[1]
+            guesses.append(first_number(renderer.decode(c[:-1] if c[-1] == renderer.eos_id else c)))
+        target = cube.inner.target(task_id)
+        assert r.reward == float(guesses[-1] == target) and r.success == (r.reward == 1.0)
+        assert target not in guesses[:-1]
+        assert r.num_turns == 3 or r.reward == 1.0
+    # The samples carry the engine's logprobs of the policy that is trained.
+    s = results[0].samples[-1]
+    ref = reference_logprobs(hf_model, *rows(s), s.temperature)
+    assert (ref - torch.tensor(unpack_f32(s.logprobs))).abs().max().item() < 1e-4
+
+
+# -- a scripted policy: tool calls the tiny model would not write ---------------
+
+
+class ScriptedPolicy:
+    """A stand-in for ``LLMClient`` (same ``generate`` signature) whose
+    completions are fixed texts, tokenised, ending in the end-of-turn token.
+    Streams them token by token through ``on_tokens`` like the engine."""
+
+    def __init__(self, tokenizer, texts: list[str]):
+        self.tok, self.texts = tokenizer, list(texts)
+        self.prompts: list[list[int]] = []
+
+    async def generate(self, prompt_token_ids, sampling, affinity=None, on_tokens=None) -> Generation:
+        self.prompts.append(list(prompt_token_ids))
+        ids = self.tok.encode(self.texts.pop(0), add_special_tokens=False) + [self.tok.eos_token_id]
+        if on_tokens is not None:
+            for k in range(1, len(ids) + 1):
+                on_tokens(ids[:k])
+                await asyncio.sleep(0)
+        return Generation(Completion(ids, [-1.0] * len(ids), "stop"), LeaseMetadata(0, 0, 0.0, 0.0))
+
+
+SCRIPTED = EpisodeSettings(SamplingSettings(max_tokens=64), max_turns=8, max_model_len=2048)
+CALL_4 = '<tool_call>{"name": "guess", "arguments": {"number": 4}}</tool_call>'
+
+
+def scripted_gateway(tokenizer, texts):
+    policy = ScriptedPolicy(tokenizer, texts)
+    return policy, Gateway(policy, ChatRenderer(tokenizer), SCRIPTED)
+
+
+async def test_agents_sdk_tool_call_round_trip_extends_the_prompt(tokenizer):
+    """Guess 4 by tool call ("Lower. It is between 1 and 3."), then "2" as
+    text: the SDK ran the tool, and the second prompt is the first + the
+    call + exactly the template tokens of the tool result."""
+    renderer = ChatRenderer(tokenizer)
+    cube = await agent_cube()
+    policy, gw = scripted_gateway(tokenizer, [CALL_4, "2"])
+    async with gw.serve():
+        r = await run_agent_episode(gw, await cube.open_task(await task_with_target(cube, 2)), SCRIPTED, "ep", "g")
+    assert (r.reward, r.num_turns, r.termination_reason) == (1.0, 2, "done")
+    assert gw.stats.history_resets == 0 and r.agent_errors == 0
+    (p0, c0), (p1, _) = rows(r.samples[0]), rows(r.samples[1])
+    tool_turn = renderer.next_messages(c0, [{"role": "tool", "content": "Lower. It is between 1 and 3."}])
+    assert p1 == p0 + c0 + tool_turn == policy.prompts[1]
+
+    # A tool call that wins ends the run: no LLM call after "Correct!".
+    policy, gw = scripted_gateway(tokenizer, [CALL_4, "never asked"])
+    async with gw.serve():
+        r = await run_agent_episode(gw, await cube.open_task(await task_with_target(cube, 4)), SCRIPTED, "ep", "g")
+    assert (r.reward, r.num_turns, len(policy.texts)) == (1.0, 1, 1)
+    await cube.close()
+
+
+async def test_empty_reply_keeps_the_history(tokenizer):
+    """The Agents SDK drops an empty assistant message from its history; the
+    example puts it back so the gateway still sees an extension."""
+    cube = await agent_cube()
+    _, gw = scripted_gateway(tokenizer, ["", "2"])
+    async with gw.serve():
+        r = await run_agent_episode(gw, await cube.open_task(await task_with_target(cube, 2)), SCRIPTED, "ep", "g")
+    await cube.close()
+    assert (r.reward, r.num_turns, r.agent_errors) == (1.0, 2, 1)  # "" was a wasted guess
+    assert gw.stats.history_resets == 0
+    assert_extends(r.samples)
+
+
+async def test_streamed_tool_calls_arrive_as_openai_deltas(tokenizer):
+    tool = {"type": "function", "function": {"name": "guess", "parameters": {"type": "object"}}}
+    _, gw = scripted_gateway(tokenizer, ["Let me see. " + CALL_4])
+    async with gw.serve(), gw.session("ep-stream") as s:
+        client = openai.AsyncOpenAI(base_url=s.endpoint.base_url, api_key=s.endpoint.api_key, max_retries=0)
+        stream = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "go"}],
+                                                      tools=[tool], stream=True)
+        content, calls, finish = "", {}, None
+        async for chunk in stream:
+            delta = chunk.choices[0].delta
+            content += delta.content or ""
+            for tc in delta.tool_calls or []:  # assembled by index, as OpenAI clients do
+                slot = calls.setdefault(tc.index, {"id": "", "name": "", "arguments": ""})
+                slot["id"] += tc.id or ""
+                slot["name"] += tc.function.name or ""
+                slot["arguments"] += tc.function.arguments or ""
+            finish = chunk.choices[0].finish_reason or finish
+        await client.close()
+    assert content == "Let me see. " and finish == "tool_calls"
+    assert [(c["id"], c["name"], json.loads(c["arguments"])) for c in calls.values()] == [
+        ("call_0_0", "guess", {"number": 4})]
+
+
+async def test_agents_sdk_streamed_run_executes_the_streamed_tool_call(tokenizer):
+    """``Runner.run_streamed``: the SDK assembles the streamed call, runs the
+    example's guess tool against the game and re-sends the history."""
+    from agents import OpenAIChatCompletionsModel, RunConfig, Runner
+
+    ex = load_example(AGENTS_SDK)
+    cube = await agent_cube()
+    task = await cube.open_task(await task_with_target(cube, 2))
+    reset = await task.reset()
+    _, gw = scripted_gateway(tokenizer, [CALL_4, "2"])
+    async with gw.serve(), gw.session("ep-sdk-stream", task) as s:
+        client = openai.AsyncOpenAI(base_url=s.endpoint.base_url, api_key=s.endpoint.api_key, max_retries=0)
+        agent = ex.AGENT.clone(model=OpenAIChatCompletionsModel(model="policy", openai_client=client))
+        game = ex.Game(s.endpoint.env_url, s.endpoint.api_key)
+        run = Runner.run_streamed(agent, [{"role": "user", "content": reset.observation}], context=game,
+                                  max_turns=4, run_config=RunConfig(tracing_disabled=True))
+        async for _ in run.stream_events():
+            pass
+        await client.close(), await game.close()
+    await task.close(), await cube.close()
+    assert run.final_output == "2" and not game.done  # the text answer is play()'s to post
+    assert gw.stats.streamed == 2 and s.history_resets == 0
+    assert "<tool_response>Lower. It is between 1 and 3.</tool_response>" in tokenizer.decode(s.calls[1].prompt)
+    c0 = s.calls[0]
+    assert s.calls[1].prompt[: len(c0.prompt) + len(c0.generation.completion.token_ids)] == \
+        c0.prompt + c0.generation.completion.token_ids
+
+
+# -- the example config, end to end ----------------------------------------------
+
+
+@pytest.mark.engine
+def test_example_config_trains_through_the_gateway(tiny_model_dir, tmp_path):
+    """``rlnode --role all --config examples/guess_openai_sdk.toml``, cut to 3
+    steps of 4 groups: each step trains whole groups of openai-agent samples,
+    and no episode fails, no group is dropped, every delivery is acked."""
+    steps, groups, attempts = 3, 4, 4
+    r = subprocess.run(
+        [sys.executable, "-m", "rlnode", "--role", "all", "--config", "examples/guess_openai_sdk.toml", "--log-json",
+         "--set", f"model.path={tiny_model_dir}", "--set", f"run.run_dir={tmp_path / 'run'}",
+         "--set", "run.progress=false", "--set", f"trainer.max_steps={steps}",
+         "--set", f"actor.scheduler.groups_per_step={groups}", "--set", f"actor.scheduler.attempts={attempts}",
+         "--set", "actor.scheduler.eval_every=0", "--set", f"trainer.port={free_port()}",
+         "--set", "http.trainer_port=0", "--set", "http.actor_port=0",
+         "--set", f"trainer.weights.base_port={free_port()}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "VLLM_CONFIGURE_LOGGING": "0"},
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    records = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    step_records = [x for x in records if "step" in x]
+    assert [x["step"] for x in step_records] == list(range(1, steps + 1))
+    for x in step_records:
+        # Each episode makes 1..3 LLM calls (one per guess), each one sample.
+        assert x["groups"] == groups and groups * attempts <= x["samples"] <= 3 * groups * attempts
+        assert x["weights_pushed"] and x["dropped_stale"] == 0
+    events = [json.loads(l) for l in r.stderr.splitlines() if l.startswith("{")]
+    names = {e["event"] for e in events}
+    assert not names & {"episode.failed", "group.dropped", "agent.stopped_by_gateway"}, names
+    stopped = next(e for e in events if e["event"] == "actor.stopped")
+    cube = stopped["cubes"]["guess5"]
+    assert cube["errors"] == 0 and cube["retries"] == 0 and cube["groups_dropped"] == 0
+    assert cube["episodes"] >= steps * groups * attempts
+    flushed = next(e for e in events if e["event"] == "actor.link_flushed")
+    assert flushed["all_acked"] and flushed["unacked"] == 0
