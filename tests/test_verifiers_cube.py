@@ -28,6 +28,7 @@ from aiohttp import web
 from daemons import ROOT, free_port
 from rlnode.cubes.base import AgentEndpoint, CubeError
 from rlnode.cubes.registry import make_cube, parse_options
+from rlnode.wire import unpack_i32
 
 GUESS = "rlnode.cubes.vf_guess"
 
@@ -103,7 +104,7 @@ async def test_binary_search_wins_and_requests_extend_by_reply_and_feedback(vf):
         assert reward == 1.0 and (await task.evaluate()).reward == 1.0
         guesses = [int(binary_search(r["messages"])) for r in requests]
         assert guesses[-1] == answer and answer not in guesses[:-1]
-        assert task.info["metrics"] == [{"guesses": float(len(requests))}]
+        assert (await task.evaluate()).info["metrics"] == [{"guesses": float(len(requests))}]
         # The conversation only grows: each request is the last one plus the
         # reply it got and the environment's feedback, which is what lets
         # the gateway extend its token history.
@@ -159,9 +160,11 @@ async def test_splits_are_disjoint_and_deterministic(vf):
     with pytest.raises(KeyError):
         await split.open_task("train-00006")
     task = await split.open_task("test-00001")
-    assert task.ref.task_id == "test-00001" and task.has_evaluator is False
+    assert task.ref.task_id == "test-00001"
     with pytest.raises(NotImplementedError):
         await task.step(None)
+    with pytest.raises(CubeError, match="no rubric reward"):
+        await task.evaluate()  # never played
 
 
 async def test_a_failed_rollout_fails_the_episode(vf):
@@ -172,8 +175,10 @@ async def test_a_failed_rollout_fails_the_episode(vf):
         with pytest.raises(CubeError, match="verifiers episode failed"):
             await task.run_agent(endpoint, {})
     assert len(requests) == 1
-    with pytest.raises(CubeError, match="no rubric reward"):
-        await task.evaluate()
+    # What the evaluator makes of a failed run (the agent episode asks only
+    # when the gateway ended it): the rubric on the transcript so far.
+    ev = await task.evaluate()
+    assert ev.reward == 0.0 and ev.info["metrics"] == [{"guesses": 0.0}]
     # A wrong key reaches the endpoint as a wrong key (401), not as a pass.
     task = await cube.open_task("train-00001")
     async with scripted_server(binary_search, key="other") as (endpoint, requests):
@@ -182,6 +187,15 @@ async def test_a_failed_rollout_fails_the_episode(vf):
             await task.run_agent(endpoint, {})
     assert not requests
     assert not [k for k in os.environ if k.startswith("RLNODE_VF_API_KEY_")]
+
+
+async def test_config_errors_surface_at_start(vf):
+    with pytest.raises(ValueError, match="env_args.player.retries"):
+        await guess_cube(env_args={"player": {"retries": {"max_retries": 2}}}).start()
+    with pytest.raises(ValueError, match="max_number"):
+        await guess_cube(env_args={"taskset": {"max_number": 1}}).start()
+    with pytest.raises(ModuleNotFoundError, match="rlnode.cubes.no_such_env"):
+        await guess_cube(env="rlnode.cubes.no_such_env").start()
 
 
 async def test_load_environment_builds_the_env_alone(vf):
@@ -213,6 +227,13 @@ def test_options_validate_without_verifiers_and_missing_extra_is_named(monkeypat
 # -- through the real gateway and engine -----------------------------------------
 
 
+def reply_text(renderer, sample) -> str:
+    """The text the gateway answered for a sample (its completion, without
+    the closing end-of-turn token)."""
+    ids = unpack_i32(sample.completion_ids).tolist()
+    return renderer.decode(ids[:-1] if ids and ids[-1] == renderer.eos_id else ids)
+
+
 @pytest.mark.engine
 async def test_gateway_episodes_samples_rubric_reward_and_token_parity(vf, engine, tokenizer):
     from rlnode.actor.agent_episode import run_agent_episode
@@ -222,7 +243,6 @@ async def test_gateway_episodes_samples_rubric_reward_and_token_parity(vf, engin
     from rlnode.actor.generation import LLMClient
     from rlnode.actor.router import AdmissionRouter
     from rlnode.cubes.vf_guess import play
-    from rlnode.wire import unpack_i32
 
     from conftest import assert_engine_idle
 
@@ -243,13 +263,10 @@ async def test_gateway_episodes_samples_rubric_reward_and_token_parity(vf, engin
     for task, r in zip(tasks, results):
         # Every LLM call the environment made is one sample, in order.
         assert [s.step_index for s in r.samples] == list(range(len(r.samples)))
-        assert task.info["metrics"] == [{"guesses": float(len(r.samples))}]
+        assert (await task.evaluate()).info["metrics"] == [{"guesses": float(len(r.samples))}]
         # The reward is the rubric's, and the rubric is the game: replaying
         # the completions the engine produced gives the same outcome.
-        replies = []
-        for s in r.samples:
-            ids = unpack_i32(s.completion_ids).tolist()
-            replies.append(renderer.decode(ids[:-1] if ids and ids[-1] == renderer.eos_id else ids))
+        replies = [reply_text(renderer, s) for s in r.samples]
         solved, used = play(task.task.data.answer, replies, 3)
         assert used == len(r.samples) and r.reward == task.reward == float(solved)
         assert {s.reward for s in r.samples} == {r.reward}
@@ -258,6 +275,22 @@ async def test_gateway_episodes_samples_rubric_reward_and_token_parity(vf, engin
         for prev, nxt in zip(r.samples, r.samples[1:]):
             head = unpack_i32(prev.prompt_ids).tolist() + unpack_i32(prev.completion_ids).tolist()
             assert unpack_i32(nxt.prompt_ids).tolist()[: len(head)] == head
+
+    # The gateway's own cap (2 calls) ends 3-guess games early: the episode
+    # still counts, scored by the rubric on the guesses made.
+    capped = EpisodeSettings(settings.sampling, max_turns=2, max_model_len=2048)
+    gw = Gateway(LLMClient([engine], router), renderer, capped, model_name="tiny")
+    tasks = [await cube.open_task(t) for t in await cube.task_ids("train")]
+    async with gw.serve():
+        results = await asyncio.gather(*(run_agent_episode(gw, t, capped, f"cap-{i}", "g") for i, t in
+                                         enumerate(tasks)))
+    assert router.in_flight == [0]
+    for task, r in zip(tasks, results):
+        replies = [reply_text(renderer, s) for s in r.samples]
+        solved, used = play(task.task.data.answer, replies, 3)
+        assert r.reward == float(solved) and used == len(r.samples) <= 2
+        assert r.termination_reason == ("max_turns" if not solved and used == 2 else "done")
+    assert any(r.termination_reason == "max_turns" for r in results)
 
 
 def _train(tmp_path, model, steps: int, *extra: str) -> subprocess.CompletedProcess:

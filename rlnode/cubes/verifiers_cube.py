@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import importlib.util
 import os
 import secrets
 import sys
@@ -134,27 +133,53 @@ def api_key_var(key: str) -> Iterator[str]:
         os.environ.pop(var, None)
 
 
-def _load(env: str, env_args: dict[str, Any], skip: int, take: int):
-    """Build the verifiers env and read ``take`` tasks after ``skip`` (blocking:
-    a taskset may read files or build a dataset)."""
+def _load(env: str, env_args: dict[str, Any], count: int):
+    """The verifiers ``EnvConfig`` and the first ``count`` tasks of its
+    taskset (blocking: a taskset may read files or build a dataset)."""
     vf = import_verifiers()
-    venv = vf.load_environment(env_config(env, env_args))
-    return venv, list(venv.taskset.skip(skip).take(take)) if take else []
+    config = env_config(env, env_args)
+    return config, list(vf.load_environment(config).taskset.take(count)) if count else []
+
+
+def _check(config, sampling_args: dict[str, Any]) -> None:
+    """What rlnode needs of a verifiers config, checked once at start."""
+    vf = import_verifiers()
+    vf.SamplingConfig(**sampling_args)
+    for name, seat in config:
+        if isinstance(seat, vf.AgentConfig) and (seat.retries.max_retries or any(
+                r.max_retries for r in seat.retries.rules)):
+            # A retried run re-plays the task inside one rlnode episode: the
+            # failed attempt's calls would stay in it as samples.
+            raise ValueError(f"env_args.{name}.retries: leave verifiers' retries off; rlnode retries whole "
+                             "episodes (actor.scheduler.max_retries)")
+
+
+def _trained(traces: list) -> list:
+    """The traces of the seats being trained (all of them when none is)."""
+    return [t for t in traces if t.agent is None or t.agent.trainable] or list(traces)
 
 
 # -- the cube ------------------------------------------------------------------
 
 
 class VerifiersTask(AgentTask):
-    """One verifiers task; ``run_agent`` plays one verifiers episode of it."""
+    """One verifiers task; ``run_agent`` plays one verifiers episode of it.
 
-    has_evaluator = False
+    Each episode builds its own verifiers ``Env`` (a tenth of a millisecond):
+    ``Env.serving()`` keeps the interception and shared tools on the Env
+    object, so concurrent episodes must not share one."""
 
-    def __init__(self, ref: CubeTaskRef, env, task, opts: VerifiersOptions):
-        self.ref, self.env, self.task, self.opts = ref, env, task, opts
+    # The reward is the rubric's, returned by run_agent. The evaluator is
+    # asked only when the gateway ended the episode (actor.episode.max_turns,
+    # a full context) and the environment failed on the refusal: it scores
+    # the transcript so far, as verifiers scores a run its own limits stopped.
+    has_evaluator = True
+
+    def __init__(self, ref: CubeTaskRef, config, task, opts: VerifiersOptions):
+        self.ref, self.config, self.task, self.opts = ref, config, task, opts
         self.timeout_s = opts.timeout_s
         self.reward: float | None = None
-        self.info: dict[str, Any] = {}
+        self.traces: list = []
 
     async def reset(self) -> Reset:
         data = self.task.data
@@ -169,33 +194,35 @@ class VerifiersTask(AgentTask):
 
     async def run_agent(self, endpoint: AgentEndpoint, task: dict[str, Any]) -> float:
         vf = import_verifiers()
+        env = vf.load_environment(self.config)
         with api_key_var(endpoint.api_key) as var:
             ctx = vf.ModelContext(
                 model=endpoint.model,
                 client=vf.EvalClientConfig(base_url=endpoint.base_url, api_key_var=var),
                 sampling=vf.SamplingConfig(**self.opts.sampling_args),
             )
-            # A serving scope per episode: the interception keeps one model
-            # client per endpoint, and each episode has its own endpoint.
-            async with self.env.serving():
-                episode = await self.env.run_episode(self.task, ctx)
-        traces = [t for t in episode.traces if t.agent is None or t.agent.trainable] or list(episode.traces)
-        self.info = {
-            "stop": [t.stop_condition for t in episode.traces],
-            "rewards": [{k: (r.value if r else None) for k, r in t.rewards.items()} for t in traces],
-            "metrics": [t.metrics for t in traces],
-        }
+            async with env.serving():
+                episode = await env.run_episode(self.task, ctx)
+        self.traces = _trained(episode.traces)
         if not episode.ok:
             err = episode.last_error or next((t.last_error for t in episode.traces if t.last_error), None)
             raise CubeError(f"verifiers episode failed: {err.type}: {err.message}" if err else
                             "verifiers episode failed")
-        self.reward = sum(t.reward for t in traces) / len(traces)
+        self.reward = sum(t.reward for t in self.traces) / len(self.traces)
         return self.reward
 
     async def evaluate(self) -> Evaluation:
         if self.reward is None:
-            raise CubeError("no rubric reward: the verifiers episode did not finish")
-        return Evaluation(reward=self.reward, success=self.reward > 0, info=self.info)
+            if not self.traces:
+                raise CubeError("no rubric reward: the verifiers episode recorded no run")
+            for t in self.traces:
+                if not t.rewards:  # the run failed before its scoring stage
+                    await self.task.score(t)
+            self.reward = sum(t.reward for t in self.traces) / len(self.traces)
+        info = {"stop": [t.stop_condition for t in self.traces],
+                "rewards": [{k: (r.value if r else None) for k, r in t.rewards.items()} for t in self.traces],
+                "metrics": [dict(t.metrics) for t in self.traces]}
+        return Evaluation(reward=self.reward, success=self.reward > 0, info=info)
 
 
 class VerifiersCube(Cube):
@@ -206,20 +233,22 @@ class VerifiersCube(Cube):
         self.cube_id = cube_id
         self.opts = options
         self.seed = seed
-        self.envs: dict[Split, Any] = {}
-        self.tasks: dict[Split, list[Any]] = {}
+        self.configs: dict[Split, Any] = {}  # verifiers EnvConfig per split
+        self.tasks: dict[Split, list[Any]] = {}  # verifiers Tasks per split
 
     async def start(self) -> None:
         o = self.opts
         await run_blocking(import_verifiers)
         if o.test_env_args:
-            self.envs["train"], self.tasks["train"] = await run_blocking(_load, o.env, o.env_args, 0, o.num_train)
+            self.configs["train"], self.tasks["train"] = await run_blocking(_load, o.env, o.env_args, o.num_train)
             test_args = merged(o.env_args, o.test_env_args)
-            self.envs["test"], self.tasks["test"] = await run_blocking(_load, o.env, test_args, 0, o.num_test)
+            self.configs["test"], self.tasks["test"] = await run_blocking(_load, o.env, test_args, o.num_test)
         else:
-            env, rows = await run_blocking(_load, o.env, o.env_args, 0, o.num_test + o.num_train)
-            self.envs = {"train": env, "test": env}
+            config, rows = await run_blocking(_load, o.env, o.env_args, o.num_test + o.num_train)
+            self.configs = {"train": config, "test": config}
             self.tasks = {"test": rows[:o.num_test], "train": rows[o.num_test:]}
+        for config in self.configs.values():
+            _check(config, o.sampling_args)
         if not self.tasks["train"]:
             raise CubeError(f"verifiers env {o.env!r} yielded no train tasks")
 
@@ -231,4 +260,4 @@ class VerifiersCube(Cube):
         if idx >= len(self.tasks.get(split, [])):
             raise KeyError(f"unknown task {task_id!r} in cube {self.cube_id!r}")
         task = self.tasks[split][idx]
-        return VerifiersTask(CubeTaskRef(self.cube_id, task_id), self.envs[split], task, self.opts)
+        return VerifiersTask(CubeTaskRef(self.cube_id, task_id), self.configs[split], task, self.opts)
