@@ -56,6 +56,8 @@ from rlnode.ops.netaddr import local_url_host
 log = get_logger("rlnode.gateway")
 
 TOOL_OPEN = "<tool_call>"
+# Long agent histories (tool outputs, documents) outgrow aiohttp's 1 MiB default.
+MAX_REQUEST_BYTES = 64 * 2**20
 
 
 class GatewayError(Exception):
@@ -232,6 +234,7 @@ class GatewaySession:
         self._tools_key = ""
         self._ids: list[int] = []
         self._last_completion: list[int] = []
+        self._empty_reply = False
         self._engine: int | None = None
         self._inflight: set[asyncio.Task] = set()
 
@@ -256,13 +259,20 @@ class GatewaySession:
         tools_key = json.dumps(tools or [], sort_keys=True)
         n = len(self._history)
         renderer = self.gateway.renderer
-        if n and tools_key == self._tools_key and len(keys) > n and keys[:n] == self._history:
-            return self._ids + renderer.next_messages(self._last_completion, messages[n:]), False
+        if n and tools_key == self._tools_key:
+            if len(keys) > n and keys[:n] == self._history:
+                return self._ids + renderer.next_messages(self._last_completion, messages[n:]), False
+            # Some SDKs (the Agents SDK) drop an empty assistant reply from
+            # their history. The engine did produce that turn (an end of turn
+            # token), so the prompt keeps it: still the exact extension.
+            if self._empty_reply and len(keys) >= n and keys[:n - 1] == self._history[:-1]:
+                return self._ids + renderer.next_messages(self._last_completion, messages[n - 1:]), False
         return renderer.render(messages, tools), bool(n)
 
     def remember(self, messages: list[dict[str, Any]], tools, prompt: list[int], completion: list[int],
                  reply: dict[str, Any]) -> None:
         self._history = [_history_key(m) for m in messages] + [_history_key(reply)]
+        self._empty_reply = not reply["content"] and not reply.get("tool_calls")
         self._tools_key = json.dumps(tools or [], sort_keys=True)
         self._ids = prompt + completion
         self._last_completion = completion
@@ -302,7 +312,7 @@ class Gateway:
     async def serve(self, host: str = "127.0.0.1", port: int = 0) -> AsyncIterator["Gateway"]:
         """Serve on a site of its own (an actor without its ops endpoint,
         tests, benchmarks)."""
-        app = web.Application()
+        app = web.Application(client_max_size=MAX_REQUEST_BYTES)
         self.add_routes(app)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
@@ -459,6 +469,7 @@ class Gateway:
         cannot be parsed)."""
         latest: list[Any] = [()]
         grew = asyncio.Event()
+        text = _IncrementalText(self.renderer)
 
         def on_tokens(ids) -> None:
             latest[0] = ids
@@ -484,10 +495,7 @@ class Gateway:
                 await asyncio.wait([gen_task, waiter], return_when=asyncio.FIRST_COMPLETED)
                 waiter.cancel()
                 grew.clear()
-                ids = list(latest[0])
-                if ids and ids[-1] == self.renderer.eos_id:
-                    ids = ids[:-1]
-                safe = _stream_safe(self.renderer.decode(ids), tools_on)
+                safe = _stream_safe(text.update(latest[0]), tools_on)
                 if len(safe) > len(sent) and safe.startswith(sent):
                     await resp.write(chunk({"content": safe[len(sent):]}))
                     sent = safe
@@ -565,6 +573,33 @@ class Gateway:
             return e.response()
         s.posted_reward, s.posted_success = body.reward, body.success
         return web.json_response({"ok": True})
+
+
+class _IncrementalText:
+    """The text of a growing completion, decoding only what is new (a
+    whole-sequence decode per engine step would be quadratic in its length).
+    A window of already-decoded tokens is decoded again with the new ones,
+    so byte-level pieces that join into one character come out whole; a
+    trailing partial character waits for its next token."""
+
+    def __init__(self, renderer: ChatRenderer):
+        self.renderer = renderer
+        self.text = ""
+        self.prefix = 0  # decoding window starts here
+        self.read = 0  # tokens up to here are in self.text
+
+    def update(self, ids) -> str:
+        ids = list(ids[self.prefix:])
+        if ids and ids[-1] == self.renderer.eos_id:
+            ids = ids[:-1]
+        done = self.read - self.prefix
+        if len(ids) > done:
+            head = self.renderer.decode(ids[:done])
+            new = self.renderer.decode(ids)
+            if len(new) > len(head) and not new.endswith("\ufffd"):
+                self.text += new[len(head):]
+                self.prefix, self.read = self.read, self.prefix + len(ids)
+        return self.text
 
 
 class _EnvStep(msgspec.Struct):

@@ -141,7 +141,8 @@ class OpsServer:
     async def start(self) -> None:
         """Listen. Raises HttpAuthError on a non-loopback host without a token."""
         check_exposure(self.host, self._token.decode())
-        app = web.Application(middlewares=[self._auth] if self._token else [])
+        # Large bodies only reach the actor's gateway routes (agent histories).
+        app = web.Application(middlewares=[self._auth] if self._token else [], client_max_size=64 * 2**20)
         app.router.add_get("/healthz", self._healthz)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/status", self._status)
