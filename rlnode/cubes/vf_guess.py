@@ -3,8 +3,9 @@ verifiers 0.4 API (``verifiers.v1``), shipped so the ``verifiers`` cube has
 an environment that needs no download.
 
 The model guesses a hidden number in 1..max_number; after each wrong guess
-the environment answers "Higher." or "Lower." as the next user turn, until
-the guess is right or ``max_turns`` guesses are spent. It is the same game
+the environment answers "Higher." or "Lower." as the next user turn
+(``feedback = "range"`` adds the interval left), until the guess is right or
+``max_turns`` guesses are spent. It is the same game
 as the built-in ``guessing`` cube, but played the verifiers way:
 
 * ``GuessTaskset`` yields the tasks (secrets drawn in memory from a seed;
