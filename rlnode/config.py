@@ -104,7 +104,9 @@ class CubeConfig(_Section):
     # Name of this cube in the run (metrics, task refs); unique.
     id: str
     # Registry name: guessing | arithmetic | python-math | jsonl |
-    # cube-protocol | a plug-in from the `rlnode.cubes` entry-point group.
+    # cube-protocol | openai-agent (your agent through the OpenAI gateway) |
+    # verifiers (a verifiers environment) | a plug-in from the `rlnode.cubes`
+    # entry-point group.
     kind: str
     # Relative share of training groups drawn from this cube; 0 = evaluation only.
     weight: Annotated[float, Meta(ge=0)] = 1.0

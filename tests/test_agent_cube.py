@@ -188,3 +188,14 @@ async def test_unloadable_agent_fails_at_start(tmp_path):
     cube = make_cube("x", "openai-agent", {"agent": "no_such_module_xyz:play", "tasks": tasks_file(tmp_path)}, seed=0)
     with pytest.raises(ValueError, match="no_such_module_xyz"):
         await cube.start()
+
+
+async def test_command_agent_does_not_inherit_the_daemons_secrets(gateway, tmp_path, monkeypatch):
+    monkeypatch.setenv("RLNODE_HTTP_TOKEN", "ops-secret")
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-the-operators-own")
+    out = tmp_path / "env.json"
+    cube = await started({"command": [sys.executable, str(FIXTURES), "env"], "tasks": tasks_file(tmp_path),
+                          "env_vars": {"OUT_FILE": str(out)}})
+    with pytest.raises(AgentFailed, match="no reward"):  # this agent only reports its environment
+        await play(gateway, cube)
+    assert json.loads(out.read_text()) == ["OPENAI_API_KEY", "OPENAI_BASE_URL", "RLNODE_ENV_URL", "RLNODE_MODEL"]

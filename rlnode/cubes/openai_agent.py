@@ -12,7 +12,9 @@ completion it asks for is a training sample. Two ways to run it:
   ``RLNODE_MODEL`` in its environment and the task as JSON on stdin. A
   non-zero exit fails the episode. The process runs in its own process group
   and the whole group is killed at the timeout or when the episode is
-  cancelled. (Your own code, trusted like the config: it is not sandboxed.)
+  cancelled. It does not inherit the daemon's ``RLNODE_*`` variables (e.g.
+  ``RLNODE_HTTP_TOKEN``). (Your own code, trusted like the config: it is not
+  sandboxed.)
 
 Tasks and rewards come from an environment cube (``env = {kind = "guessing",
 options = {...}}``): its train/test tasks, its tools (advertised in the task
@@ -211,7 +213,10 @@ def _reward(out: Any) -> float | None:
 
 
 async def run_command(opts: OpenAIAgentOptions, task: dict[str, Any], endpoint: AgentEndpoint) -> None:
-    env = {**os.environ, **opts.env_vars, "OPENAI_BASE_URL": endpoint.base_url, "OPENAI_API_KEY": endpoint.api_key,
+    # The daemon's own RLNODE_* variables (its HTTP token, other episodes'
+    # keys) are not the agent's business; OPENAI_* are set for this episode.
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith(("RLNODE_", "OPENAI_"))}
+    env = {**inherited, **opts.env_vars, "OPENAI_BASE_URL": endpoint.base_url, "OPENAI_API_KEY": endpoint.api_key,
            "RLNODE_ENV_URL": endpoint.env_url, "RLNODE_MODEL": endpoint.model}
     proc = await asyncio.create_subprocess_exec(
         *opts.command, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.DEVNULL,
