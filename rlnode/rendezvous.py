@@ -107,12 +107,18 @@ def mac(key: bytes, *parts: object) -> str:
     return hmac.new(key, "/".join(map(str, parts)).encode(), hashlib.sha256).hexdigest()
 
 
+def _seal_keys(key: bytes, label: str) -> tuple[bytes, bytes]:
+    """(cipher key, MAC key) for values sealed under ``label``."""
+    return tuple(hmac.new(key, f"seal/{part}/{label}".encode(), hashlib.sha256).digest()  # type: ignore[return-value]
+                 for part in ("enc", "mac"))
+
+
 def seal(key: bytes, label: str, data: bytes) -> bytes:
     """Encrypt-then-MAC ``data`` (nonce | ciphertext | tag). Stream cipher:
     SHAKE-256 keyed with a key derived for ``label``, over a random nonce;
     tag: HMAC-SHA256. The standard library only: rlnode adds no crypto
     dependency for one short value per epoch."""
-    enc, auth = (hmac.new(key, f"seal/{part}/{label}".encode(), hashlib.sha256).digest() for part in ("enc", "mac"))
+    enc, auth = _seal_keys(key, label)
     nonce = secrets.token_bytes(16)
     stream = hashlib.shake_256(enc + nonce).digest(len(data))
     body = nonce + bytes(a ^ b for a, b in zip(data, stream))
@@ -122,7 +128,7 @@ def seal(key: bytes, label: str, data: bytes) -> bytes:
 def unseal(key: bytes, label: str, blob: bytes) -> bytes | None:
     """``data`` of ``seal``, or None when ``blob`` was not sealed with
     ``key`` for ``label`` (tampered, or another secret)."""
-    enc, auth = (hmac.new(key, f"seal/{part}/{label}".encode(), hashlib.sha256).digest() for part in ("enc", "mac"))
+    enc, auth = _seal_keys(key, label)
     body, tag = blob[:-32], blob[-32:]
     if len(body) < 16 or not hmac.compare_digest(tag, hmac.new(auth, body, hashlib.sha256).digest()):
         return None
@@ -203,10 +209,14 @@ class Rendezvous:
         if attempt > MAX_PROOF_ATTEMPTS:
             raise RendezvousError(f"group epoch {spec.epoch}: rank {k} found {attempt - 1} proofs for its rank "
                                   "already (someone else claims it)")
-        self.store.set(f"{self._base}proof/{k}/{attempt}", f"{nonce}:{mac(self._key, 'join', spec.epoch, k, spec.world_size, nonce)}")
+        proof = mac(self._key, "join", spec.epoch, k, spec.world_size, nonce)
+        self.store.set(f"{self._base}proof/{k}/{attempt}", f"{nonce}:{proof}")
         self._await_verdict()
 
     def _await_verdict(self) -> None:
+        """Poll for rank 0's verdict; a value that does not verify (written
+        by someone else, or this rank holds another secret) is waited out
+        for ``PROOF_GRACE_S``, in case rank 0 overwrites it."""
         spec, key = self.spec, f"{self._base}admit"
         ok, refused = (mac(self._key, "admit", spec.epoch, spec.world_size, v) for v in ("ok", "refused"))
         # Later than rank 0's own deadline, so that its verdict (it names
@@ -229,7 +239,8 @@ class Rendezvous:
                     raise RendezvousError(f"group epoch {spec.epoch}: rank {self.rank} cannot verify the trainer's "
                                           "admission (this rank holds another secret, or someone else wrote it)")
             if now > deadline:
-                raise RendezvousError(f"group epoch {spec.epoch}: rank {self.rank} not admitted within {spec.timeout_s:.0f} s")
+                raise RendezvousError(f"group epoch {spec.epoch}: rank {self.rank} not admitted "
+                                      f"within {spec.timeout_s:g} s")
             time.sleep(POLL_S)
 
     def _admit_all(self) -> None:
@@ -249,10 +260,11 @@ class Rendezvous:
                 now = time.monotonic()
                 if bad := [k for k in pending if claims[k].refuted(now)]:
                     raise RendezvousError(f"group epoch {spec.epoch}: rank(s) {bad} did not prove they hold the "
-                                          "epoch's secret (a wrong secret, or a peer outside the epoch claiming the rank)")
+                                          "epoch's secret (a wrong secret, or a peer outside the epoch "
+                                          "claiming the rank)")
                 if now > deadline:
                     raise RendezvousError(f"group epoch {spec.epoch}: rank(s) {pending} did not join "
-                                          f"within {spec.timeout_s:.0f} s")
+                                          f"within {spec.timeout_s:g} s")
                 time.sleep(POLL_S)
         except RendezvousError as e:
             log.warning("rendezvous.refused", epoch=spec.epoch, error=str(e))
@@ -272,14 +284,16 @@ class Rendezvous:
                 continue
             claim.seen.add(i)
             nonce, _, got = self.store.get(key).decode(errors="replace").partition(":")
-            if len(got) == MAC_HEX and hmac.compare_digest(got, mac(self._key, "join", spec.epoch, k, spec.world_size, nonce)):
+            expected = mac(self._key, "join", spec.epoch, k, spec.world_size, nonce)
+            if len(got) == MAC_HEX and hmac.compare_digest(got, expected):
                 claim.admitted = True
                 return
             claim.first_invalid = claim.first_invalid or time.monotonic()
             log.warning("rendezvous.bad_proof", epoch=spec.epoch, rank=k, attempt=i)
 
     def _verdict(self, verdict: str) -> None:
-        self.store.set(f"{self._base}admit", mac(self._key, "admit", self.spec.epoch, self.spec.world_size, verdict))
+        spec = self.spec
+        self.store.set(f"{self._base}admit", mac(self._key, "admit", spec.epoch, spec.world_size, verdict))
 
     # -- sealed values (NCCL unique id) ----------------------------------------
 

@@ -244,9 +244,9 @@ class WeightBroadcaster:
         sock = self._reserved.pop(spec.epoch)
         try:
             self._comm = WeightComm(spec, 0, self.device, listen_socket=sock)
-        except RendezvousError:
+        except RendezvousError as e:  # keeps its type: it names the rank that failed the epoch
             sock.close()
-            raise  # names the rank that failed it
+            raise RendezvousError(f"rendezvous failed: {e}") from e
         except Exception as e:
             sock.close()
             raise TransferError(f"group epoch {spec.epoch}: rendezvous failed: {e!r}") from e
