@@ -12,8 +12,8 @@ reads parameters).
 Epochs: membership of a group never changes. An actor joining or leaving
 means ``new_epoch(...)`` (fresh port bound to the advertised host, fresh
 secret, fresh group) and ``open_group(spec)``, which closes the previous
-group first. A failed broadcast (``TransferError``)
-leaves the epoch unusable; form a new one.
+group first. A failed broadcast (``TransferError``) leaves the epoch
+unusable; form a new one.
 
 Blocking: ``open_group``, ``broadcast`` and ``close_group`` wait on the other
 ranks (rendezvous, collectives) and are plain functions; the ``*_async``
