@@ -8,7 +8,9 @@
   never writes ``<tool_call>`` markup, so a stand-in for ``LLMClient``
   returns pre-tokenised completions. It checks the SDK side (the Agents SDK
   gets ``tool_calls``, runs the tool against the game, re-sends the history,
-  and the gateway extends the last prompt exactly), also when streamed.
+  and the gateway extends the last prompt exactly), also when streamed; and
+  the openai-SDK example's samples are token for token the native loop's
+  for the same replies.
 * ``rlnode --role all --config examples/guess_openai_sdk.toml``, shortened:
   training steps happen on samples from the ``openai-agent`` cube and no
   episode or group is lost.
@@ -36,6 +38,7 @@ from rlnode.actor.episode import ChatRenderer, EpisodeSettings
 from rlnode.actor.gateway import Gateway
 from rlnode.actor.generation import Generation, LLMClient
 from rlnode.actor.router import AdmissionRouter, LeaseMetadata
+from rlnode.cubes.base import ToolSpec
 from rlnode.cubes.registry import make_cube
 from rlnode.cubes.tasks import first_number
 from rlnode.wire import unpack_f32, unpack_i32
@@ -168,6 +171,29 @@ async def test_agents_sdk_tool_call_round_trip_extends_the_prompt(tokenizer):
         r = await run_agent_episode(gw, await cube.open_task(await task_with_target(cube, 4)), SCRIPTED, "ep", "g")
     assert (r.reward, r.num_turns, len(policy.texts)) == (1.0, 1, 1)
     await cube.close()
+
+
+async def test_gateway_samples_equal_the_native_loops(tokenizer):
+    """The same replies, once through the openai-SDK example and the gateway,
+    once through rlnode's own loop with the task advertising the same guess
+    tool: the training samples hold the same token ids, so what the model
+    learns from differs only by what an agent puts in the conversation."""
+    from rlnode.actor.episode import run_episode
+    from rlnode.bench.gateway import Advertised, load_example
+
+    replies = ["3", "1", "2"]  # target 2: "Lower. It is between 1 and 2.", "Higher. ...", "Correct!"
+    cube = await agent_cube(ROOT / "examples" / "guess_openai_sdk.py")
+    tid = await task_with_target(cube, 2)
+    _, gw = scripted_gateway(tokenizer, replies)
+    async with gw.serve():
+        agent = await run_agent_episode(gw, await cube.open_task(tid), SCRIPTED, "ep", "g")
+    await cube.close()
+    native_cube = make_cube("guess", "guessing", GAME["options"], seed=0)
+    tool = ToolSpec(**load_example().GUESS_TOOL["function"])
+    native = await run_episode(ScriptedPolicy(tokenizer, replies), ChatRenderer(tokenizer),
+                               Advertised(await native_cube.open_task(tid), [tool]), SCRIPTED, "ep", "g")
+    assert (agent.reward, agent.num_turns) == (native.reward, native.num_turns) == (1.0, 3)
+    assert [rows(s) for s in agent.samples] == [rows(s) for s in native.samples]
 
 
 async def test_empty_reply_keeps_the_history(tokenizer):
