@@ -107,33 +107,34 @@ def mac(key: bytes, *parts: object) -> str:
     return hmac.new(key, "/".join(map(str, parts)).encode(), hashlib.sha256).hexdigest()
 
 
-def _seal_keys(key: bytes, label: str) -> tuple[bytes, bytes]:
-    """(cipher key, MAC key) for values sealed under ``label``."""
-    return tuple(hmac.new(key, f"seal/{part}/{label}".encode(), hashlib.sha256).digest()  # type: ignore[return-value]
-                 for part in ("enc", "mac"))
+def _seal_key(key: bytes, label: str) -> bytes:
+    """The AES-256 key of values sealed under ``label`` (derived, so the MAC
+    key of the proofs is never used as a cipher key)."""
+    return hmac.new(key, f"seal/{label}".encode(), hashlib.sha256).digest()
 
 
 def seal(key: bytes, label: str, data: bytes) -> bytes:
-    """Encrypt-then-MAC ``data`` (nonce | ciphertext | tag). Stream cipher:
-    SHAKE-256 keyed with a key derived for ``label``, over a random nonce;
-    tag: HMAC-SHA256. The standard library only: rlnode adds no crypto
-    dependency for one short value per epoch."""
-    enc, auth = _seal_keys(key, label)
-    nonce = secrets.token_bytes(16)
-    stream = hashlib.shake_256(enc + nonce).digest(len(data))
-    body = nonce + bytes(a ^ b for a, b in zip(data, stream))
-    return body + hmac.new(auth, body, hashlib.sha256).digest()
+    """AES-256-GCM over ``data`` (nonce | ciphertext+tag), bound to ``label``
+    as associated data: a value sealed for one epoch or name does not open
+    as another."""
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    nonce = secrets.token_bytes(12)
+    return nonce + AESGCM(_seal_key(key, label)).encrypt(nonce, data, label.encode())
 
 
 def unseal(key: bytes, label: str, blob: bytes) -> bytes | None:
     """``data`` of ``seal``, or None when ``blob`` was not sealed with
     ``key`` for ``label`` (tampered, or another secret)."""
-    enc, auth = _seal_keys(key, label)
-    body, tag = blob[:-32], blob[-32:]
-    if len(body) < 16 or not hmac.compare_digest(tag, hmac.new(auth, body, hashlib.sha256).digest()):
+    from cryptography.exceptions import InvalidTag
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    if len(blob) < 12 + 16:
         return None
-    nonce, ct = body[:16], body[16:]
-    return bytes(a ^ b for a, b in zip(ct, hashlib.shake_256(enc + nonce).digest(len(ct))))
+    try:
+        return AESGCM(_seal_key(key, label)).decrypt(blob[:12], blob[12:], label.encode())
+    except InvalidTag:
+        return None
 
 
 def _serve(host: str, port: int, listen_socket: socket.socket | None, timeout: timedelta):

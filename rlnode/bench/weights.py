@@ -39,6 +39,7 @@ from rlnode.actor.weight_receiver import (
     join_group,
 )
 from rlnode.config import EngineConfig, ModelConfig, WeightSyncConfig
+from rlnode.rendezvous import new_secret
 from rlnode.trainer.weights import WeightBroadcaster, update_tensors
 from rlnode.weight_plan import GroupMember, GroupSpec, WeightComm, WeightUpdatePlan, keep_stdout
 
@@ -85,7 +86,8 @@ def raw_broadcast_s(plan: WeightUpdatePlan, repeats: int = 3) -> float:
     listen = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listen.bind(("127.0.0.1", 0))  # the kernel picks a free port
     listen.listen()
-    spec = GroupSpec(0, "127.0.0.1", listen.getsockname()[1], 2, "gloo", (GroupMember("raw", 1),), 60.0)
+    spec = GroupSpec(0, "127.0.0.1", listen.getsockname()[1], 2, "gloo", (GroupMember("raw", 1),), 60.0,
+                     secret=new_secret())
     comms: list = [None, None]
 
     def join(rank: int) -> None:
