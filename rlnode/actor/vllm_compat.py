@@ -15,8 +15,6 @@ wheel; ``tests/test_vllm_compat.py`` runs the detection on both.
 Detection looks at signatures and attributes, never at the version string,
 so a backport or a patched build takes the path its API supports. Features:
 
-* ``gloo_timeout``: ``stateless_init_torch_distributed_process_group(timeout=)``
-  (0.32; absent in 0.26, see ``stateless_gloo_group``).
 * ``weight_versions``: ``CompletionOutput.weight_versions`` and
   ``AsyncLLM.update_weight_version`` (0.32; absent in 0.26, see
   ``VersionSpans``).
@@ -30,7 +28,6 @@ import asyncio
 import contextlib
 import inspect
 import time
-from datetime import timedelta
 from typing import Iterator, NamedTuple
 
 SUPPORTED = ">=0.26,<0.33"
@@ -63,7 +60,6 @@ class Symbol(NamedTuple):
 
 _ASYNC_LLM = "vllm.v1.engine.async_llm"
 SYMBOLS: tuple[Symbol, ...] = (
-    Symbol("vllm.distributed.utils", "stateless_init_torch_distributed_process_group", "params"),
     Symbol(_ASYNC_LLM, "AsyncLLM.pause_generation", "params"),
     Symbol(_ASYNC_LLM, "AsyncLLM.resume_generation", "params"),
     Symbol(_ASYNC_LLM, "AsyncLLM.collective_rpc", "params"),
@@ -88,7 +84,6 @@ _REQUIRED: dict[str, tuple[str, ...]] = {
     f"{_ASYNC_LLM}:AsyncLLM.collective_rpc": ("method", "args"),
     "vllm.v1.worker.gpu_model_runner:GPUModelRunner.reload_weights": ("weights_iterator", "is_checkpoint_format"),
     "vllm.engine.arg_utils:EngineArgs": ("logprobs_mode", "worker_extension_cls", "tensor_parallel_size"),
-    "vllm.distributed.utils:stateless_init_torch_distributed_process_group": ("listen_socket", "return_store"),
 }
 # Needed only where vLLM does not report weight versions itself.
 _FALLBACK_REQUIRED: dict[str, tuple[str, ...]] = {
@@ -163,7 +158,6 @@ class Api(NamedTuple):
     """Which path each version-sensitive use takes."""
 
     version: str
-    gloo_timeout: bool
     weight_versions: bool
     pause_clear_cache: bool
     cache_salt: bool
@@ -197,7 +191,6 @@ def detect(snapshot: dict) -> Api:
         raise UnsupportedVLLM(f"vLLM {snapshot['vllm']} lacks what rlnode needs: {', '.join(missing)}")
     return Api(
         version=snapshot["vllm"],
-        gloo_timeout=has("vllm.distributed.utils:stateless_init_torch_distributed_process_group", "timeout"),
         weight_versions=weight_versions,
         pause_clear_cache=has(f"{_ASYNC_LLM}:AsyncLLM.pause_generation", "clear_cache"),
         cache_salt=has("vllm.inputs.engine:_InputOptions", "cache_salt"),
@@ -233,33 +226,6 @@ def override(forced: Api) -> Iterator[Api]:
 
 # --------------------------------------------------------------------------
 # Version-sensitive calls
-
-
-def stateless_gloo_group(host: str, port: int, rank: int, world_size: int, timeout: timedelta, listen_socket=None):
-    """A stateless gloo ProcessGroup whose collectives time out after ``timeout``.
-
-    Not used for weight groups: its rendezvous is unauthenticated (the store
-    prefix is the public ``tcp://host:port``, any peer reaching the port can
-    take a rank). ``WeightComm`` builds its groups with ``rlnode.rendezvous``,
-    which needs nothing version-specific from vLLM. Kept while
-    ``tests/test_vllm_compat.py`` exercises the 0.26 fallback below.
-
-    Without the ``timeout`` argument (0.26), the group is built with vLLM's
-    default and the timeout set afterwards on the store and on the gloo
-    backend (what ``torch.distributed`` does for ``_set_pg_timeout``): every
-    later get/broadcast/allreduce honours it. Only the initial connection of
-    the ranks waits under the default (the ParallelConfig's
-    ``cpu_distributed_timeout_seconds`` if a vLLM config is current, else
-    torch's 30 min): a rank that never shows up is noticed late there."""
-    import torch
-    from vllm.distributed.utils import stateless_init_torch_distributed_process_group as init
-
-    if api().gloo_timeout:
-        return init(host, port, rank, world_size, "gloo", listen_socket=listen_socket, timeout=timeout)
-    pg, store = init(host, port, rank, world_size, "gloo", return_store=True, listen_socket=listen_socket)
-    store.set_timeout(timeout)
-    pg._get_backend(torch.device("cpu"))._set_default_timeout(timeout)
-    return pg
 
 
 async def pause_keep(llm) -> None:
