@@ -42,7 +42,7 @@ test-deps:
 	fi
 
 test: setup test-deps
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=30 tests
 
 # The terminal shows a progress line per step and the final table;
 # runs/demo/metrics.jsonl has every number. Drop the two log settings for
