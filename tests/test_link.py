@@ -436,7 +436,7 @@ async def test_transport_bench_smoke(capsys):
     r = await bench_transport(64, tokens=64, group_size=8, rounds=1, curve=False)
     assert (r.samples, r.tokens_per_sample, r.group_size) == (64, 64, 8)
     assert r.samples_per_s > 0 and r.baseline_samples_per_s > 0
-    assert r.ratio == pytest.approx(r.samples_per_s / r.baseline_samples_per_s, rel=0.01)
+    assert r.ratio == pytest.approx(r.samples_per_s / r.baseline_samples_per_s, abs=0.005)  # reported to 2 places
     # 48 prompt + 16 completion int32 ids, 16 float32 logprobs, 16 mask bytes, plus metadata.
     assert 4 * 64 + 4 * 16 + 16 < r.details["rlnode_wire_bytes_per_sample"] < r.details["jsonl_bytes_per_sample"]
     print_table(r)
