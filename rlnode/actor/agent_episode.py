@@ -24,11 +24,11 @@ import asyncio
 import time
 from typing import Callable
 
-from rlnode.actor.episode import EpisodeResult, EpisodeSettings
+from rlnode.actor.episode import EpisodeResult, EpisodeSettings, training_sample
 from rlnode.actor.gateway import Gateway, GatewaySession
 from rlnode.cubes.base import AgentTask, CubeError
 from rlnode.log import get_logger
-from rlnode.wire import TrainingSample, pack_f32, pack_i32
+from rlnode.wire import TrainingSample
 
 log = get_logger("rlnode.agent_episode")
 
@@ -111,24 +111,5 @@ async def _result(task: AgentTask, s: GatewaySession, returned: float | None, ep
 
 def _sample(c, task: AgentTask, episode_id: str, group_id: str, reward: float, reason: str,
             turns: int) -> TrainingSample:
-    comp = c.generation.completion
-    return TrainingSample(
-        sample_id=f"{episode_id}/{c.step_index}",
-        group_id=group_id,
-        episode_id=episode_id,
-        cube_id=task.ref.cube_id,
-        task_id=task.ref.task_id,
-        step_index=c.step_index,
-        prompt_ids=pack_i32(c.prompt),
-        completion_ids=pack_i32(comp.token_ids),
-        logprobs=pack_f32(comp.logprobs),
-        loss_mask=bytes([1]) * len(comp.token_ids),
-        reward=reward,
-        finish_reason=comp.finish_reason,
-        termination_reason=reason,
-        policy_version=c.policy_version,
-        temperature=c.temperature,
-        lease=c.generation.lease,
-        weight_versions=comp.weight_versions,
-        num_turns=turns,
-    )
+    return training_sample(task.ref, episode_id, group_id, c.step_index, c.prompt, c.generation.completion,
+                           c.generation.lease, c.policy_version, c.temperature, reward, reason, turns)

@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import msgspec
 
-from rlnode.actor.engine import SamplingSettings
+from rlnode.actor.engine import Completion, SamplingSettings
 from rlnode.actor.generation import LLMClient
 from rlnode.cubes.base import Action, CubeTask, ToolCall, ToolSpec
 from rlnode.wire import TrainingSample, pack_f32, pack_i32
@@ -188,24 +188,32 @@ async def _play(client, renderer, task, settings, episode_id, group_id, policy_v
 
 
 def _sample(p, task, settings, episode_id, group_id, reward, reason, turns) -> TrainingSample:
-    c = p["completion"]
+    return training_sample(task.ref, episode_id, group_id, p["step_index"], p["prompt"], p["completion"], p["lease"],
+                           p["version"], settings.sampling.temperature, reward, reason, turns)
+
+
+def training_sample(ref, episode_id: str, group_id: str, step_index: int, prompt: list[int], c: Completion,
+                    lease, policy_version: int, temperature: float, reward: float, reason: str,
+                    turns: int) -> TrainingSample:
+    """One LLM call of a finished episode, as the trainer receives it (also
+    the gateway's episodes, ``agent_episode.py``)."""
     return TrainingSample(
-        sample_id=f"{episode_id}/{p['step_index']}",
+        sample_id=f"{episode_id}/{step_index}",
         group_id=group_id,
         episode_id=episode_id,
-        cube_id=task.ref.cube_id,
-        task_id=task.ref.task_id,
-        step_index=p["step_index"],
-        prompt_ids=pack_i32(p["prompt"]),
+        cube_id=ref.cube_id,
+        task_id=ref.task_id,
+        step_index=step_index,
+        prompt_ids=pack_i32(prompt),
         completion_ids=pack_i32(c.token_ids),
         logprobs=pack_f32(c.logprobs),
         loss_mask=bytes([1]) * len(c.token_ids),
         reward=reward,
         finish_reason=c.finish_reason,
         termination_reason=reason,
-        policy_version=p["version"],
-        temperature=settings.sampling.temperature,
-        lease=p["lease"],
+        policy_version=policy_version,
+        temperature=temperature,
+        lease=lease,
         weight_versions=c.weight_versions,
         num_turns=turns,
     )
