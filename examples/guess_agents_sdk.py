@@ -109,13 +109,9 @@ async def play(task: dict, base_url: str, api_key: str) -> None:
                 return None
             # A plain-text answer is a guess: its feedback is the next user turn.
             observation = await game.step(str(result.final_output or ""))
-            items = result.to_input_list()
-            if not result.raw_responses[-1].output:
-                # An empty reply leaves no item in the SDK's history; put it
-                # back, or the re-sent conversation would skip a turn the
-                # model took (the gateway would count a history reset).
-                items.append({"role": "assistant", "content": ""})
-            items.append({"role": "user", "content": observation})
+            # (An empty reply leaves no item in the SDK's history; the gateway
+            # keeps that turn in the prompt all the same.)
+            items = result.to_input_list() + [{"role": "user", "content": observation}]
         return None
     finally:
         await client.close()

@@ -198,7 +198,8 @@ async def test_gateway_samples_equal_the_native_loops(tokenizer):
 
 async def test_empty_reply_keeps_the_history(tokenizer):
     """The Agents SDK drops an empty assistant message from its history; the
-    example puts it back so the gateway still sees an extension."""
+    gateway keeps that turn (the engine produced it), so the next prompt
+    still extends the last one."""
     cube = await agent_cube()
     _, gw = scripted_gateway(tokenizer, ["", "2"])
     async with gw.serve():

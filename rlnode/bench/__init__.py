@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 
 import msgspec
@@ -14,7 +15,10 @@ from rlnode.config import Config
 def run_bench(name: str, cfg: Config, args) -> int:
     if args.model:
         cfg.model.path = args.model
-    # Progress goes to stderr so --json keeps stdout to one object.
+    # Progress goes to stderr so --json keeps stdout to one object; so do
+    # vLLM's logs (stdout by default), here and in the engine processes.
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
