@@ -26,7 +26,8 @@ import msgspec
 
 from rlnode.actor.engine import Completion, SamplingSettings
 from rlnode.actor.generation import LLMClient
-from rlnode.cubes.base import Action, CubeTask, ToolCall, ToolSpec
+from rlnode.actor.router import LeaseMetadata
+from rlnode.cubes.base import Action, CubeTask, CubeTaskRef, ToolCall, ToolSpec
 from rlnode.wire import TrainingSample, pack_f32, pack_i32
 
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
@@ -192,9 +193,9 @@ def _sample(p, task, settings, episode_id, group_id, reward, reason, turns) -> T
                            p["version"], settings.sampling.temperature, reward, reason, turns)
 
 
-def training_sample(ref, episode_id: str, group_id: str, step_index: int, prompt: list[int], c: Completion,
-                    lease, policy_version: int, temperature: float, reward: float, reason: str,
-                    turns: int) -> TrainingSample:
+def training_sample(ref: CubeTaskRef, episode_id: str, group_id: str, step_index: int, prompt: list[int],
+                    c: Completion, lease: LeaseMetadata, policy_version: int, temperature: float, reward: float,
+                    reason: str, turns: int) -> TrainingSample:
     """One LLM call of a finished episode, as the trainer receives it (also
     the gateway's episodes, ``agent_episode.py``)."""
     return TrainingSample(
