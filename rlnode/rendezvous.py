@@ -329,8 +329,14 @@ class Rendezvous:
 
     def nccl_communicator(self, device):
         """A ``PyNcclCommunicator`` whose unique id travelled sealed."""
+        import torch
         from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
 
+        device = torch.device(device)
+        if device.index is None:
+            # PyNcclCommunicator compares tensor.device with the device it
+            # holds; tensors always carry an index (weight_plan.indexed_device).
+            raise ValueError(f"nccl_communicator needs an indexed device (cuda:N), got {device}")
         return PyNcclCommunicator(unique_id_group(self), device=device)
 
     def close(self) -> None:

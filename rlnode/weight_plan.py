@@ -308,6 +308,23 @@ def unpack_bucket(bucket: Bucket, buf: torch.Tensor) -> list[tuple[str, torch.Te
 # Transport: one stateless group, used the same way by rank 0 and the workers.
 
 
+def indexed_device(device) -> torch.device:
+    """``device`` with its index: "cuda" becomes "cuda:<current device>".
+
+    vLLM's ``PyNcclCommunicator`` keeps the device it is given and asserts
+    ``tensor.device == self.device`` on every collective, and
+    ``torch.device("cuda") != torch.device("cuda", 0)``: an unindexed "cuda"
+    makes rank 0 raise right after ``ncclCommInitRank`` while the workers
+    wait forever in their warm-up all_reduce. Tensors always carry an index,
+    so the communicator must too."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 class WeightComm:
     """A stateless torch.distributed group for weight broadcasts.
 
@@ -337,7 +354,7 @@ class WeightComm:
     def __init__(self, spec: GroupSpec, rank: int, device, listen_socket: socket.socket | None = None):
         import torch
 
-        self.spec, self.rank, self.device = spec, rank, torch.device(device)
+        self.spec, self.rank, self.device = spec, rank, indexed_device(device)
         self._pg: GlooGroup | None = None
         self._nccl = None
         self._staging: torch.Tensor | None = None  # gloo: CPU copy of CUDA buckets
@@ -351,7 +368,7 @@ class WeightComm:
             if spec.backend in ("gloo", "cuda_ipc"):
                 self._pg = self._rdv.gloo_group()
             else:
-                self._nccl = self._rdv.nccl_communicator(device)
+                self._nccl = self._rdv.nccl_communicator(self.device)
                 if self._nccl.disabled:
                     raise TransferError("NCCL is not available on this host (PyNcclCommunicator disabled)")
         except BaseException:

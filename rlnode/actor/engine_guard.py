@@ -70,8 +70,37 @@ def owner_token(pid: int | None = None) -> str:
     return f"{pid}:{_start_time(pid) or ''}"
 
 
+class EngineGuardMissing(RuntimeError):
+    """vLLM would not load the guard into its processes (fatal at engine start:
+    engines would silently outlive a crashed daemon)."""
+
+
+def check_registered() -> None:
+    """Raise EngineGuardMissing unless vLLM will find the guard: an entry point
+    ``PLUGIN_NAME`` in group ``vllm.general_plugins`` that names this module's
+    ``install``. vLLM discovers plugins through installed distributions'
+    metadata only, so rlnode imported from a source tree (``PYTHONPATH``, a
+    copied folder) has none, and the guard would silently do nothing."""
+    from importlib.metadata import entry_points
+
+    target = f"{__name__}:install"
+    found = [ep for ep in entry_points(group="vllm.general_plugins") if ep.name == PLUGIN_NAME]
+    if not found:
+        raise EngineGuardMissing(
+            f"rlnode's engine guard is not registered with vLLM (no entry point {PLUGIN_NAME!r} in group "
+            "'vllm.general_plugins'): rlnode is imported from a source tree, not an installed distribution. "
+            "Install it (`pip install -e .` in the checkout, or `make setup`); without the guard, vLLM's "
+            "engine processes outlive a daemon that crashes or is killed with -9.")
+    if not any(ep.value.replace(" ", "") == target for ep in found):
+        raise EngineGuardMissing(
+            f"the vLLM plugin {PLUGIN_NAME!r} points at {found[0].value!r}, not {target!r}: another rlnode "
+            "installation's metadata is on the path; reinstall this one (`pip install -e .`).")
+
+
 def mark_owner() -> None:
-    """Name this process as the owner of the engines it is about to start."""
+    """Name this process as the owner of the engines it is about to start.
+    Refuses (EngineGuardMissing) when vLLM would not load the guard."""
+    check_registered()
     os.environ[OWNER_ENV] = owner_token()
     # An operator's VLLM_PLUGINS allow-list would silently leave the guard
     # out (pyproject.toml registers it under this name).
