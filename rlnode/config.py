@@ -72,7 +72,20 @@ class EngineConfig(_Section):
     # the model runs in bf16/fp16, as the trainer does: a bf16 lm_head is
     # the largest single source of engine-vs-trainer logprob mismatch in
     # low-precision runs. Costs an fp32 copy of lm_head.weight per engine.
-    fp32_lm_head: bool = False
+    # "auto" = on for cuda engines whose model.dtype is not float32, off
+    # otherwise. Why on by default on GPUs: vLLM 0.26 runs dense models on
+    # its V2 model runner, which divides by the temperature in the logits'
+    # own dtype (bf16 in, bf16 stored back; V1 upcasts to fp32 first), so
+    # at temperature != 1 the behaviour logprobs would come from
+    # bf16-rounded logits. An fp32 head hands the sampler fp32 logits.
+    fp32_lm_head: bool | Literal["auto"] = "auto"
+    # cuda engines with model.dtype = "float32": the precision of fp32 dot
+    # products in vLLM's Triton kernels (attention), set as
+    # TRITON_F32_DEFAULT in the engine's processes. "ieee": exact fp32, for
+    # logprob parity with the trainer; "tf32": faster, ~1e-3 relative error
+    # per product (3.4e-4 max |dlogprob| measured on an H100). No effect on
+    # CPU or on bf16/fp16 models.
+    fp32_dot_precision: Literal["ieee", "tf32"] = "ieee"
     # GPU devices this node's engines use, in order (engine i takes
     # tensor_parallel_size consecutive entries); empty = 0..N-1. With
     # `--role all` on one GPU, engine and trainer share device 0.

@@ -106,3 +106,56 @@ def test_a_plugin_pointing_elsewhere_is_refused(monkeypatch):
     monkeypatch.setattr(importlib.metadata, "entry_points", lambda group=None: [ep])
     with pytest.raises(engine_guard.EngineGuardMissing, match="points at 'other_rlnode.guard:install'"):
         engine_guard.check_registered()
+
+
+# --------------------------------------------------------------------------
+# Item 6: an fp32 lm_head by default on cuda engines with a low-precision model
+
+
+@pytest.mark.parametrize("device, dtype, setting, expected", [
+    ("cuda", "bfloat16", "auto", True),  # V2's temperature would run in bf16 without it
+    ("cuda", "auto", "auto", True),
+    ("cuda", "float32", "auto", False),  # the head is fp32 already
+    ("cpu", "bfloat16", "auto", False),
+    ("cuda", "bfloat16", False, False),  # the operator's word stands
+    ("cpu", "float32", True, True),
+])
+def test_fp32_lm_head_resolves_per_device_and_dtype(device, dtype, setting, expected):
+    from rlnode.actor.engine import fp32_lm_head_enabled
+    from rlnode.config import EngineConfig, ModelConfig
+
+    cfg = EngineConfig(device=device, fp32_lm_head=setting)
+    assert fp32_lm_head_enabled(cfg, ModelConfig(path="/m", dtype=dtype)) is expected
+
+
+def test_fp32_lm_head_accepts_only_a_bool_or_auto(tmp_path):
+    from rlnode.config import ConfigError, load_config
+
+    path = tmp_path / "c.toml"
+    path.write_text('[model]\npath = "/m"\n[actor.engine]\nfp32_lm_head = "yes"\n')
+    with pytest.raises(ConfigError, match="fp32_lm_head"):
+        load_config(str(path))
+
+
+# --------------------------------------------------------------------------
+# Item 7: exact fp32 dot products in vLLM's Triton attention on cuda
+
+
+def test_fp32_engines_on_cuda_get_ieee_triton_dots(monkeypatch):
+    from rlnode.actor.engine import engine_process_env, fp32_precision_env
+    from rlnode.config import EngineConfig, ModelConfig
+
+    fp32, bf16 = ModelConfig(path="/m", dtype="float32"), ModelConfig(path="/m", dtype="bfloat16")
+    assert fp32_precision_env(EngineConfig(), fp32) == {"TRITON_F32_DEFAULT": "ieee"}
+    assert fp32_precision_env(EngineConfig(fp32_dot_precision="tf32"), fp32) == {"TRITON_F32_DEFAULT": "tf32"}
+    assert fp32_precision_env(EngineConfig(), bf16) == {}
+    monkeypatch.delenv("TRITON_F32_DEFAULT", raising=False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    with engine_process_env([0], fp32_precision_env(EngineConfig(), fp32)):
+        assert os.environ["TRITON_F32_DEFAULT"] == "ieee"  # what the spawned engine inherits
+    assert "TRITON_F32_DEFAULT" not in os.environ
+    monkeypatch.setenv("TRITON_F32_DEFAULT", "tf32x3")  # the operator's choice wins
+    with engine_process_env([0], {"TRITON_F32_DEFAULT": "ieee"}):
+        assert os.environ["TRITON_F32_DEFAULT"] == "tf32x3"
+    with engine_process_env(None, {"TRITON_F32_DEFAULT": "ieee"}):  # CPU: nothing changes
+        assert os.environ["TRITON_F32_DEFAULT"] == "tf32x3"

@@ -21,7 +21,7 @@ import time
 
 import msgspec
 
-from rlnode.actor.engine import Engine, SamplingSettings
+from rlnode.actor.engine import Engine, SamplingSettings, fp32_lm_head_enabled
 from rlnode.actor.episode import ChatRenderer, EpisodeSettings
 from rlnode.actor.gateway import Gateway
 from rlnode.actor.generation import LLMClient
@@ -77,7 +77,7 @@ class ActorDaemon:
         ecfg = cfg.actor.engine
         # The weight receiver runs inside each engine's worker processes; it
         # is only needed when a trainer will push weights (or for the fp32 head).
-        ext = WORKER_EXTENSION if self.peers or ecfg.fp32_lm_head else None
+        ext = WORKER_EXTENSION if self.peers or fp32_lm_head_enabled(ecfg, cfg.model) else None
         self.engines = [Engine(i, cfg.model, ecfg, worker_extension_cls=ext) for i in range(ecfg.num_engines)]
         self.link = None
         self._background: set[asyncio.Task] = set()  # control-request handlers in flight

