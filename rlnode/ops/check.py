@@ -25,20 +25,12 @@ import json
 import os
 import socket
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 from rlnode.config import Config
 from rlnode.link.curve import is_loopback as literal_loopback
+from rlnode.ops.findings import FAIL, OK, WARN, Finding
 
-OK, WARN, FAIL = "ok", "WARN", "FAIL"
-
-
-@dataclass
-class Finding:
-    level: str  # ok | WARN | FAIL
-    what: str  # short topic: model, gpus, ports, rendezvous, ...
-    detail: str
 
 
 def is_loopback(host: str) -> bool:
@@ -294,14 +286,20 @@ def check_exposure(cfg: Config, role: str) -> list[Finding]:
     return out
 
 
-def run_checks(cfg: Config, role: str = "all", gpus: int | None = None) -> list[Finding]:
+def run_checks(cfg: Config, role: str = "all", gpus: int | None = None, stack: bool = True) -> list[Finding]:
     """Every finding for ``role`` on this machine (``gpus``: override the
-    visible GPU count, for tests and for checking a config for another box)."""
+    visible GPU count, for tests and for checking a config for another box;
+    ``stack``: also the software stack, ``ops/stack.py``)."""
+    here = gpus is None  # False: checking a config for another machine (--gpus N)
     gpus = visible_gpus() if gpus is None else gpus
     findings = check_model(cfg)
     findings += check_devices(cfg, role, gpus)
     findings += check_network(cfg, role)
     findings += check_files(cfg, role)
+    if stack:
+        from rlnode.ops.stack import check_stack
+
+        findings += check_stack(cfg, role, gpus, here)
     return findings
 
 
