@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     tm.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
     tm.add_argument("--hidden", type=int, default=128,
                     help="hidden size, a multiple of the head dim 64 (default 128)")
+    tm.add_argument("--preset", choices=("qwen3-0.6b", "qwen3-1.7b"),
+                    help="a real model's shapes (and vocabulary size) with random bf16 weights, for GPU "
+                    "benchmarks; overrides --arch/--layers/--hidden/--tie-embeddings")
     tm.add_argument("--if-missing", action="store_true", help="do nothing if OUT_DIR already holds a model")
 
     ev = sub.add_parser("eval", help="score a model on the test split of the configured cubes (no trainer)")
@@ -207,7 +210,10 @@ def _cmd_tiny_model(args) -> int:
     from rlnode.tiny_model import build_tiny_model
 
     build_tiny_model(out, arch=args.arch, tie_embeddings=args.tie_embeddings, seed=args.seed,
-                     layers=args.layers, hidden=args.hidden)
+                     layers=args.layers, hidden=args.hidden, preset=args.preset)
+    if args.preset:
+        print(f"wrote a random {args.preset}-shaped model to {out}")
+        return 0
     print(f"wrote {args.arch} tiny model ({'tied' if args.tie_embeddings else 'untied'} embeddings) to {out}")
     return 0
 

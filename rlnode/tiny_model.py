@@ -102,6 +102,18 @@ def build_tokenizer(out_dir: Path):
     return hf
 
 
+# Real model shapes with random weights, for GPU benchmarks of memory and
+# MFU (``rlnode tiny-model --preset``): the vocabulary is the real one's size
+# (the [tokens, vocab] logits dominate trainer memory, DESIGN §10) although
+# the tokenizer uses its first ~100 ids only. Written in bf16.
+PRESETS: dict[str, dict] = {
+    "qwen3-0.6b": dict(arch="qwen3", hidden=1024, layers=28, intermediate=3072, heads=16, kv_heads=8,
+                       head_dim=128, vocab=151936, tie_embeddings=True),
+    "qwen3-1.7b": dict(arch="qwen3", hidden=2048, layers=28, intermediate=6144, heads=16, kv_heads=8,
+                       head_dim=128, vocab=151936, tie_embeddings=True),
+}
+
+
 def build_tiny_model(
     out_dir: str | Path,
     arch: str = "qwen2",
@@ -110,25 +122,33 @@ def build_tiny_model(
     layers: int = 2,
     hidden: int = 128,
     head_dim: int = 64,
+    preset: str | None = None,
 ) -> Path:
-    """Write model + tokenizer to ``out_dir``; returns the path."""
+    """Write model + tokenizer to ``out_dir``; returns the path. ``preset``
+    (a ``PRESETS`` name) overrides the shape arguments."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if preset and preset not in PRESETS:
+        raise ValueError(f"--preset: expected one of {', '.join(PRESETS)}, got {preset!r}")
+    shape = dict(PRESETS[preset]) if preset else {}
+    arch = shape.get("arch", arch)
+    tie_embeddings = shape.get("tie_embeddings", tie_embeddings)
+    layers, hidden, head_dim = shape.get("layers", layers), shape.get("hidden", hidden), shape.get("head_dim", head_dim)
     if hidden % head_dim:
         raise ValueError(f"--hidden {hidden} must be a multiple of head_dim {head_dim}")
     tokenizer = build_tokenizer(out)
-    heads = hidden // head_dim
-    vocab_size = len(tokenizer)
+    heads = shape.get("heads", hidden // head_dim)
+    vocab_size = max(shape.get("vocab", 0), len(tokenizer))
     common = dict(
         vocab_size=vocab_size,
         hidden_size=hidden,
-        intermediate_size=hidden * 2,
+        intermediate_size=shape.get("intermediate", hidden * 2),
         num_hidden_layers=layers,
         num_attention_heads=heads,
-        num_key_value_heads=1,
+        num_key_value_heads=shape.get("kv_heads", 1),
         max_position_embeddings=4096,
         tie_word_embeddings=tie_embeddings,
         bos_token_id=tokenizer.convert_tokens_to_ids("<|im_start|>"),
@@ -152,7 +172,7 @@ def build_tiny_model(
     else:
         raise ValueError(f"--arch: expected one of qwen2, qwen3, llama, got {arch!r}")
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16 if preset else torch.float32)
     # Random init with std 0.02 gives near-uniform next-token distributions;
     # that is what we want: the policy starts from "random" and RL shapes it.
     model.save_pretrained(out, safe_serialization=True)
@@ -161,6 +181,6 @@ def build_tiny_model(
     ).save_pretrained(out)
     (out / "rlnode_tiny.json").write_text(
         json.dumps({"arch": arch, "tie_embeddings": tie_embeddings, "seed": seed,
-                    "layers": layers, "hidden": hidden}, indent=2)
+                    "layers": layers, "hidden": hidden, "preset": preset}, indent=2)
     )
     return out
