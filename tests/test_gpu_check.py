@@ -1,0 +1,75 @@
+"""The one-command GPU check (scripts/gpu_check.sh, rlnode/tools/gpu_check.py)
+dry-runs on CPU: the steps it would run on a GPU, a few run for real on the
+CPU with the JSON report they write, and the offline plugin registration the
+lent machine's bundle needs (rlnode not installed there)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "scripts" / "gpu_check.sh"
+
+
+def test_the_plan_names_every_step_and_marks_the_cuda_ones():
+    out = subprocess.run([str(SCRIPT), "--plan", "--device", "cpu"], capture_output=True, text=True, timeout=60,
+                         cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    steps = [line for line in out.stdout.splitlines() if not line.startswith(" ")]
+    assert steps == ["environment", "models", "check", "router",
+                     "weights_gloo_untied", "weights_gloo_tied",
+                     "weights_nccl_untied  [cuda only]", "weights_nccl_tied  [cuda only]",
+                     "weights_cuda_ipc_untied  [cuda only]", "weights_cuda_ipc_tied  [cuda only]",
+                     "trainer_qwen3-0.6b  [cuda only]", "trainer_qwen3-1.7b  [cuda only]",
+                     "trainer_tiny", "run"]
+    assert "--backend cuda_ipc" in out.stdout and "--preset qwen3-1.7b" in out.stdout
+    assert "trainer.max_steps=20" in out.stdout
+
+
+def test_a_cpu_dry_run_writes_one_report(tmp_path):
+    report = tmp_path / "gpu_check.json"
+    out = subprocess.run([str(SCRIPT), "--device", "cpu", "--only",
+                          "environment,models,check,weights_nccl_untied,trainer_tiny",
+                          "--out", str(report), "--work", str(tmp_path / "work")],
+                         capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-3000:]
+    steps = json.loads(report.read_text())["steps"]
+    assert list(steps) == ["environment", "models", "check", "weights_nccl_untied", "trainer_tiny"]
+    assert steps["environment"]["result"]["vllm"] == "0.32.0"
+    findings = {f["what"]: f["level"] for f in steps["check"]["result"]["findings"]}
+    assert findings["vllm"] == findings["guard"] == findings["nccl"] == "ok"
+    assert steps["weights_nccl_untied"]["skipped"] == "needs cuda (dry run on cpu)"
+    trainer = steps["trainer_tiny"]["result"]
+    assert steps["trainer_tiny"]["ok"] and trainer  # the bench's own JSON, parsed
+    assert not (tmp_path / "gpu_check.json.tmp").exists()
+
+
+def test_the_script_registers_the_plugin_where_rlnode_is_not_installed(tmp_path):
+    """The lent machine runs the checkout with vLLM on PYTHONPATH: no installed
+    rlnode, so no entry point. The script writes the metadata that registers it."""
+    import shutil
+
+    # A checkout as the device machine gets it: tracked files only (this
+    # one's editable install left rlnode.egg-info beside the package).
+    repo = tmp_path / "repo"
+    for part in ("rlnode", "scripts", "conf"):
+        shutil.copytree(REPO / part, repo / part, ignore=shutil.ignore_patterns("__pycache__"))
+    base = Path(sys.base_prefix) / "bin" / "python3"  # this Python without the venv: no rlnode installed
+    env = dict(os.environ, PYTHON=str(base), RLNODE_GPU_CHECK_META=str(tmp_path / "meta"))
+    env.pop("PYTHONPATH", None)
+    out = subprocess.run([str(repo / "scripts" / "gpu_check.sh"), "--only", "environment", "--out",
+                          str(tmp_path / "r.json"), "--work", str(tmp_path / "w")], capture_output=True, text=True,
+                         timeout=120, cwd=repo, env=env)
+    assert out.returncode == 0, out.stderr
+    assert "registered its vLLM plugin" in out.stderr
+    probe = "from rlnode.actor.engine_guard import check_registered; check_registered(); print('registered')"
+    ok = subprocess.run([str(base), "-c", probe], capture_output=True, text=True, timeout=60, cwd=tmp_path,
+                        env=dict(env, PYTHONPATH=f"{repo}:{tmp_path / 'meta'}"))
+    assert ok.stdout.strip() == "registered", ok.stderr
+    missing = subprocess.run([str(base), "-c", probe], capture_output=True, text=True, timeout=60, cwd=tmp_path,
+                             env=dict(env, PYTHONPATH=str(repo)))
+    assert "EngineGuardMissing" in missing.stderr
