@@ -327,10 +327,11 @@ class TrainerConfig(_Section):
     # when micro_batch_tokens = 0.
     micro_batch_size: PositiveInt = 64
     # Token budget of one micro-batch: forward rows (packed episodes) are
-    # packed into micro-batches of at most this many tokens each, with no
-    # padding rows (sequences are concatenated; attention never crosses a
-    # sequence boundary). 0 = split by micro_batch_size samples instead. A
-    # row longer than the budget gets a micro-batch of its own.
+    # split into micro-batches of at most this many tokens: one concatenated
+    # sequence under flash_attention_2 (varlen kernel, no padding); rows of
+    # similar length right-padded, rows x longest <= this, padding < half,
+    # no mask, under sdpa/eager. 0 = split by micro_batch_size samples
+    # instead. A row longer than the budget gets a micro-batch of its own.
     micro_batch_tokens: NonNegInt = 0
     # Completion tokens whose lm_head logits, log-softmax and entropy are
     # computed at once: peak memory holds [chunk, vocab] fp32 (and the
@@ -343,6 +344,12 @@ class TrainerConfig(_Section):
     # optimizer state in bf16 (half the memory; an update below bf16
     # resolution, e.g. lr 1e-6, is lost: the weights do not move).
     precision: Literal["fp32", "bf16-mixed", "bf16"] = "fp32"
+    # Trainer attention kernel. "auto": flash_attention_2 on cuda when the
+    # flash_attn package imports and compute is bf16 ("bf16", "bf16-mixed"),
+    # else sdpa. "flash_attention_2" is refused with precision "fp32" (FA2
+    # takes fp16/bf16 only), on cpu, or (at start) without flash_attn: it has
+    # no PyPI wheels, install it on the GPU host. "eager": reference kernel.
+    attention: Literal["auto", "flash_attention_2", "sdpa", "eager"] = "auto"
     # Recompute each decoder layer's activations in backward instead of
     # keeping them (less memory, ~30% more compute).
     activation_checkpointing: bool = False
@@ -513,6 +520,7 @@ def load_config(
 
 def _check_cross_field(cfg: Config) -> None:
     _check_cubes(cfg.actor.cubes)
+    _check_attention(cfg.trainer)
     eng = cfg.actor.engine
     if eng.device == "cpu" and eng.tensor_parallel_size != 1:
         raise ConfigError("actor.engine.tensor_parallel_size: must be 1 when actor.engine.device = \"cpu\"")
@@ -530,6 +538,20 @@ def _check_cross_field(cfg: Config) -> None:
             "actor.sampling.max_tokens: must be < model.max_model_len "
             f"({cfg.actor.sampling.max_tokens} >= {cfg.model.max_model_len})"
         )
+
+
+def _check_attention(t: TrainerConfig) -> None:
+    # flash_attn and cuda are checked at start (learner.attention_implementation).
+    if t.attention != "flash_attention_2":
+        return
+    if t.precision == "fp32":
+        # FA2 raises on fp32 inputs at the first forward; refuse at load.
+        raise ConfigError(
+            'trainer.attention: "flash_attention_2" takes only fp16/bf16 inputs, but trainer.precision = "fp32" '
+            'computes in fp32; set trainer.precision = "bf16-mixed", or trainer.attention = "auto" or "sdpa"'
+        )
+    if t.device == "cpu":
+        raise ConfigError('trainer.attention: "flash_attention_2" needs a cuda trainer, but trainer.device = "cpu"')
 
 
 def _check_cubes(cubes: list[CubeConfig]) -> None:

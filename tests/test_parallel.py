@@ -113,6 +113,7 @@ def test_two_ranks_step_like_one_rank(model_dir, hf_model):
     assert m2.on_policy_diff_max == pytest.approx(m1.on_policy_diff_max, abs=1e-6)
     assert m2.on_policy_diff_max > 0.1  # the shifted sample is lag 0: it is in the max
     assert m2.extra["micro_batches"] > m1.extra["micro_batches"] - 1
+    assert m2.extra["pad_fraction"] == m2.extra["pad_tokens"] / m2.extra["forward_tokens"] > 0  # of the sums
     assert set(g2) == set(g1)
     for n in g1:
         assert (g2[n] - g1[n]).abs().max() < 1e-6, n

@@ -106,7 +106,7 @@ class TrainerDaemon:
                                    ranks=self.ranks)
         set_version(self.version)
         log.info("trainer.started", bind=self.link.endpoint, version=self.version, run_dir=str(self.run_dir),
-                 resumed=self.resume, device=str(self.learner.device))
+                 resumed=self.resume, device=str(self.learner.device), attention=self.learner.attn_impl)
 
     async def _resume(self) -> tuple[dict | list, list[str]]:
         """Load the latest checkpoint; returns its consumed-id state and the

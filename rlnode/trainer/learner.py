@@ -12,10 +12,11 @@ fp32 master weights and AdamW state, bf16 autocast compute, fp32 head) or
 bf16 ("bf16"), whatever the engines' model.dtype (the weight push casts);
 log-probs and entropy are computed ``logprob_chunk_tokens`` at a time
 (scoring.py: no [tokens, vocab] tensor); with ``micro_batch_tokens`` the
-forward rows are bin-packed into token-budget micro-batches, each ONE
-concatenated sequence with position ids restarting per row (no padding,
-no attention across rows); ``activation_checkpointing`` recomputes decoder
-layers in backward.
+forward rows split into token-budget micro-batches, laid out for the
+attention kernel (``trainer.attention``, scoring.py): ONE concatenated
+sequence per micro-batch for the flash_attention_2 varlen kernel, else
+right-padded rows of similar length with no mask (never an [S, S] one);
+``activation_checkpointing`` recomputes decoder layers in backward.
 
 Must not know about sockets, engines or the run directory.
 """
@@ -30,11 +31,11 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from rlnode.config import Config
+from rlnode.config import Config, ConfigError
 from rlnode.trainer.buffer import Batch
 from rlnode.trainer.loss import LossInputs, policy_loss
-from rlnode.trainer.scoring import (MicroBatch, PackedRow, budget_micro_batches, chunked_logprobs, packed_inputs,
-                                    padded_inputs)
+from rlnode.trainer.scoring import (MicroBatch, PackedRow, bucket_micro_batches, budget_micro_batches,
+                                    chunked_logprobs, packed_inputs, padded_inputs)
 
 
 @dataclass
@@ -117,16 +118,36 @@ def pack_episodes(samples) -> list[PackedRow]:
 PARAM_DTYPE = {"fp32": torch.float32, "bf16-mixed": torch.float32, "bf16": torch.bfloat16}
 
 
-def attention_implementation(device: torch.device) -> str:
-    """flash_attention_2 on cuda when the flash_attn package is installed
-    (packed micro-batches then run the varlen kernel, no [S, S] mask),
-    else sdpa (packed micro-batches get a block-diagonal boolean mask)."""
-    if device.type == "cuda":
-        import importlib.util
+# Dtype the attention kernel sees per trainer.precision: "bf16-mixed"
+# keeps fp32 parameters but runs under bf16 autocast, which transformers'
+# flash-attention integration casts q/k/v to.
+COMPUTE_DTYPE = {"fp32": torch.float32, "bf16-mixed": torch.bfloat16, "bf16": torch.bfloat16}
 
-        if importlib.util.find_spec("flash_attn") is not None:
-            return "flash_attention_2"
-    return "sdpa"
+
+def attention_implementation(choice: str, device: torch.device, precision: str) -> str:
+    """The transformers attn_implementation for trainer.attention =
+    ``choice``. "auto": flash_attention_2 only where it can run (cuda,
+    flash_attn importable, fp16/bf16 compute: FA2 raises on fp32 inputs at
+    the first forward), else sdpa. An explicit flash_attention_2 that
+    cannot run is a ConfigError naming the key (load_config refused fp32
+    and a cpu device already; the device may be "auto")."""
+    import importlib.util
+
+    low_precision = COMPUTE_DTYPE[precision] in (torch.float16, torch.bfloat16)
+    has_fa = importlib.util.find_spec("flash_attn") is not None
+    if choice == "auto":
+        return "flash_attention_2" if device.type == "cuda" and has_fa and low_precision else "sdpa"
+    if choice == "flash_attention_2":
+        if not low_precision:
+            raise ConfigError(f'trainer.attention: "flash_attention_2" takes only fp16/bf16 inputs, but '
+                              f'trainer.precision = "{precision}" computes in fp32')
+        if device.type != "cuda":
+            raise ConfigError(f'trainer.attention: "flash_attention_2" needs a cuda trainer, got device {device}')
+        if not has_fa:
+            raise ConfigError('trainer.attention: "flash_attention_2" needs the flash_attn package, which is not '
+                              'installed (no PyPI wheels: build or install it on this host), or set '
+                              'trainer.attention = "auto" or "sdpa"')
+    return choice
 
 
 class Learner:
@@ -148,7 +169,10 @@ class Learner:
         self.device = resolve_trainer_device(t.device)
         if self.device.type == "cpu" and t.cpu_threads:
             torch.set_num_threads(t.cpu_threads)
-        self.attn_impl = attention_implementation(self.device)
+        self.attn_impl = attention_implementation(t.attention, self.device, t.precision)
+        # One concatenated sequence per token-budget micro-batch only for a
+        # varlen kernel; any other gets padded rows (scoring.py: layouts).
+        self.varlen = self.attn_impl.startswith("flash_attention")
         dtype = PARAM_DTYPE[t.precision]
         self.model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=dtype,
                                                           attn_implementation=self.attn_impl).to(self.device)
@@ -194,12 +218,14 @@ class Learner:
 
     def micro_batches(self, samples) -> list[MicroBatch]:
         """How a step's samples split into forward/backward passes:
-        micro_batch_tokens > 0: rows bin-packed to that token budget (each
-        micro-batch one concatenated sequence); else micro_batch_size samples
-        each, in order, one padded row per forward row."""
+        micro_batch_tokens > 0: rows to that token budget, bin-packed into
+        one concatenated sequence each (varlen kernel) or length-bucketed
+        padded rows (sdpa/eager); else micro_batch_size samples each, in
+        order, one padded row per forward row."""
         t = self.cfg.trainer
         if t.micro_batch_tokens > 0:
-            return budget_micro_batches(self.forward_rows(samples), t.micro_batch_tokens)
+            layout = budget_micro_batches if self.varlen else bucket_micro_batches
+            return layout(self.forward_rows(samples), t.micro_batch_tokens)
         n, mb = len(samples), t.micro_batch_size
         return [MicroBatch(list(range(i, min(i + mb, n))), self.forward_rows(samples[i : i + mb]))
                 for i in range(0, n, mb)]
@@ -216,12 +242,12 @@ class Learner:
         gradient only when ``entropy_grad``: it is a metric otherwise), all
         in one forward. ``rows``: the forward rows (spans index
         ``samples``); default ``forward_rows(samples)``. With
-        micro_batch_tokens > 0 the rows are concatenated into one sequence,
-        else right-padded."""
+        micro_batch_tokens > 0 and a varlen kernel the rows are concatenated
+        into one sequence, else right-padded with no mask."""
         rows = self.forward_rows(samples) if rows is None else rows
         t = self.cfg.trainer
-        if t.micro_batch_tokens > 0:
-            inp = packed_inputs(rows, self.device, getattr(model.config, "_attn_implementation", "sdpa") or "sdpa")
+        if t.micro_batch_tokens > 0 and self.varlen:
+            inp = packed_inputs(rows, self.device, self.attn_impl)
         else:
             inp = padded_inputs(rows, self.device)
         # Index every completion token once: the flat position predicting it
@@ -299,10 +325,12 @@ class Learner:
         extra["nonfinite_skips_total"] = float(self.skipped_steps)
         # Tokens through the decoder (padding included) and passes: what the
         # micro-batch layout cost this step.
+        packed = cfg.micro_batch_tokens > 0 and self.varlen
+        forward = sum(mb.tokens if packed else mb.padded_tokens for mb in mbs)
         extra["micro_batches"] = float(len(mbs))
-        extra["forward_tokens"] = float(sum(
-            mb.tokens if cfg.micro_batch_tokens > 0 else len(mb.rows) * max(len(r.tokens) for r in mb.rows)
-            for mb in mbs))
+        extra["forward_tokens"] = float(forward)
+        extra["pad_tokens"] = float(forward - sum(mb.tokens for mb in mbs))
+        extra["pad_fraction"] = extra["pad_tokens"] / max(1, forward)
         return StepMetrics(
             loss=total_loss, grad_norm=grad_norm, lr=self.scheduler.get_last_lr()[0], samples=len(samples),
             tokens=tokens, logprob_diff_mean=diff_sum / max(1, tokens), on_policy_diff_max=on_policy_max, extra=extra,

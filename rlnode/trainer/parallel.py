@@ -296,13 +296,15 @@ class RankLearner:
         onp = [r.on_policy_diff_max for r in all_ if r.on_policy_diff_max is not None]
         extra: dict[str, float] = {}
         for k in {k for r in all_ for k in r.extra}:
-            if k in ("micro_batches", "forward_tokens"):
+            if k in ("micro_batches", "forward_tokens", "pad_tokens"):
                 extra[k] = sum(r.extra.get(k, 0.0) for r in all_)
             elif k.startswith("nonfinite"):
                 extra[k] = max(r.extra.get(k, 0.0) for r in all_)
             else:  # means over tokens
                 w = sum(r.tokens for r in all_ if k in r.extra)
                 extra[k] = sum(r.extra[k] * r.tokens for r in all_ if k in r.extra) / max(1, w)
+        if "pad_tokens" in extra:  # a ratio of the sums, not a mean of ratios
+            extra["pad_fraction"] = extra["pad_tokens"] / max(1.0, extra["forward_tokens"])
         m.loss = sum(r.loss for r in all_)
         m.samples = sum(r.samples for r in all_)
         m.tokens = tokens

@@ -5,6 +5,17 @@ Owns: (1) the chunked log-softmax over the vocabulary, (2) turning forward
 rows into micro-batches and one micro-batch into decoder inputs. No model
 loading, optimizer or loss: the Learner calls these.
 
+Two layouts of a token-budget micro-batch, by attention kernel:
+  varlen (flash_attention_2): rows bin-packed and concatenated into ONE
+    sequence [1, S] with cumulative row lengths; no padding, no mask.
+  padded (sdpa, eager): rows of similar length right-padded to [R, L],
+    R * L <= budget, and NO attention mask. Causal attention alone is exact
+    for the real tokens: a real token at j attends to positions <= j, all
+    real (the padding sits after the row's last token); padded positions
+    are never scored. A packed [1, S] sequence would instead need a
+    block-diagonal [S, S] mask there (transformers builds one from
+    restarting position ids: 1 GiB at S = 32k) and full S x S attention.
+
 Notation. N = completion tokens scored in one forward, V = vocabulary, H =
 hidden size, c = chunk (``trainer.logprob_chunk_tokens``), T_n = the
 sampling temperature of token n's sample, W = lm_head weight [V, H].
@@ -115,7 +126,13 @@ class MicroBatch(NamedTuple):
 
     @property
     def tokens(self) -> int:
+        """Real tokens: what the varlen layout runs."""
         return sum(len(r.tokens) for r in self.rows)
+
+    @property
+    def padded_tokens(self) -> int:
+        """Token slots of the padded layout: R rows x the longest row."""
+        return len(self.rows) * max((len(r.tokens) for r in self.rows), default=0)
 
 
 def first_fit_decreasing(lengths: list[int], budget: int) -> list[list[int]]:
@@ -135,19 +152,52 @@ def first_fit_decreasing(lengths: list[int], budget: int) -> list[list[int]]:
     return bins
 
 
+# Padded layout: a row shorter than this fraction of its micro-batch's
+# longest row starts a new micro-batch instead, so padding is under half of
+# every micro-batch's token slots. The price is at most log2(longest /
+# shortest) extra, smaller micro-batches a step; it binds only where the
+# lengths are sparse (with many rows, neighbours in length order are close).
+MIN_ROW_FILL = 0.5
+
+
+def length_buckets(lengths: list[int], budget: int, min_fill: float = MIN_ROW_FILL) -> list[list[int]]:
+    """Bins of item indices for right-padded rows: items in decreasing
+    length order, each joining the current bin while (its items + 1) x the
+    bin's longest <= budget and it is at least ``min_fill`` x that longest,
+    else opening a new bin. An item longer than the budget is alone."""
+    bins: list[list[int]] = []
+    longest = 0
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        if bins and (len(bins[-1]) + 1) * longest <= budget and lengths[i] >= min_fill * longest:
+            bins[-1].append(i)
+        else:
+            bins.append([i])
+            longest = lengths[i]
+    return bins
+
+
+def _micro_batch(rows: list[PackedRow], members: list[int]) -> MicroBatch:
+    """Rows ``members`` as one micro-batch, spans re-indexed to its own
+    samples. A sample's spans all sit in one row (one episode row, or its
+    own), so every sample lands in exactly one micro-batch."""
+    idx = sorted(k for r in members for k, _, _ in rows[r].spans)
+    local = {k: j for j, k in enumerate(idx)}
+    return MicroBatch(idx, [PackedRow(rows[r].tokens, [(local[k], s, n) for k, s, n in rows[r].spans])
+                            for r in members])
+
+
 def budget_micro_batches(rows: list[PackedRow], budget: int) -> list[MicroBatch]:
-    """Rows (spans indexing the step's samples) -> micro-batches of at most
-    ``budget`` tokens (first-fit decreasing), spans re-indexed to each
-    micro-batch's own samples. A sample's spans all sit in one row (one
-    episode row, or its own), so every sample lands in exactly one
-    micro-batch."""
-    out = []
-    for b in first_fit_decreasing([len(r.tokens) for r in rows], budget):
-        idx = sorted(k for r in b for k, _, _ in rows[r].spans)
-        local = {k: j for j, k in enumerate(idx)}
-        out.append(MicroBatch(idx, [PackedRow(rows[r].tokens, [(local[k], s, n) for k, s, n in rows[r].spans])
-                                    for r in b]))
-    return out
+    """Varlen layout: rows (spans indexing the step's samples) ->
+    micro-batches of at most ``budget`` real tokens (first-fit decreasing),
+    each run as one concatenated sequence (``packed_inputs``)."""
+    return [_micro_batch(rows, b) for b in first_fit_decreasing([len(r.tokens) for r in rows], budget)]
+
+
+def bucket_micro_batches(rows: list[PackedRow], budget: int) -> list[MicroBatch]:
+    """Padded layout: rows -> micro-batches of rows of similar length
+    (``length_buckets``), each at most ``budget`` token slots once
+    right-padded (``padded_inputs``)."""
+    return [_micro_batch(rows, b) for b in length_buckets([len(r.tokens) for r in rows], budget)]
 
 
 class DecoderInputs(NamedTuple):
@@ -157,35 +207,37 @@ class DecoderInputs(NamedTuple):
 
 
 def padded_inputs(rows: list[PackedRow], device: torch.device) -> DecoderInputs:
-    """Right-padded [R, L] rows with a 2D padding mask (one row per
-    sequence; the padding costs compute and activations)."""
+    """Right-padded [R, L] rows, L = the longest, with NO attention mask.
+    Causal attention alone is exact for the real tokens (module
+    docstring), and without a mask transformers' sdpa path builds none and
+    calls the kernel with is_causal=True (masking_utils._ignore_causal_mask_sdpa,
+    integrations/sdpa_attention.py; eager still builds its causal
+    [R, 1, L, L] from the shape). The padding costs compute and
+    activations; its positions are never scored."""
     L = max(len(r.tokens) for r in rows)
-    ids = torch.zeros(len(rows), L, dtype=torch.long)
-    attn = torch.zeros(len(rows), L, dtype=torch.long)
+    ids = torch.zeros(len(rows), L, dtype=torch.long)  # [R, L]; the pad id 0 is never scored
     for i, r in enumerate(rows):
         ids[i, : len(r.tokens)] = torch.from_numpy(r.tokens.astype("int64"))
-        attn[i, : len(r.tokens)] = 1
-    ids, attn = ids.to(device), attn.to(device)
-    return DecoderInputs(dict(input_ids=ids, attention_mask=attn, use_cache=False), ids.reshape(-1),
-                         [i * L for i in range(len(rows))])
+    ids = ids.to(device)
+    return DecoderInputs(dict(input_ids=ids, use_cache=False), ids.reshape(-1), [i * L for i in range(len(rows))])
 
 
 def packed_inputs(rows: list[PackedRow], device: torch.device, attn_impl: str) -> DecoderInputs:
     """All rows concatenated into ONE sequence [1, S], S = sum of row
-    lengths, no padding. ``position_ids`` restart at 0 for each row, which
-    is how transformers (5.x, masking_utils.find_packed_sequence_indices)
-    recognises packed sequences when attention_mask is None and there is no
-    KV cache: sdpa/eager/flex then get a block-diagonal causal mask
-    ([1, 1, S, S] bool for sdpa: S^2 bytes, 1 GiB at 32k), so attention never
-    crosses rows. flash_attention_2/3 instead take the cumulative row
-    lengths (cu_seq_lens, max_length) and run the varlen kernel: no mask at
-    all; they are computed here once instead of per layer."""
+    lengths, no padding, for a varlen kernel (flash_attention_*): it takes
+    the cumulative row lengths (cu_seq_lens, max_length), computed here
+    once instead of per layer, and keeps attention inside each row with no
+    mask. ``position_ids`` restart at 0 for each row. Any other kernel
+    would get a block-diagonal [1, 1, S, S] mask from transformers
+    (masking_utils.find_packed_sequence_indices) and full S x S attention:
+    refused (use ``padded_inputs``)."""
+    if not attn_impl.startswith("flash_attention"):
+        raise ValueError(f"packed_inputs needs a varlen attention kernel, got {attn_impl!r}: use padded_inputs")
     lens = [len(r.tokens) for r in rows]
     ids = torch.from_numpy(np.concatenate([r.tokens for r in rows]).astype("int64")).to(device)  # [S]
     pos = torch.cat([torch.arange(n) for n in lens]).to(device)  # [S]
     offsets = np.concatenate([[0], np.cumsum(lens)]).tolist()
-    kwargs = dict(input_ids=ids[None], position_ids=pos[None], use_cache=False)
-    if attn_impl.startswith("flash_attention"):
-        cu = torch.tensor(offsets, dtype=torch.int32, device=device)
-        kwargs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lens), max_length_k=max(lens))
+    cu = torch.tensor(offsets, dtype=torch.int32, device=device)  # [R + 1]
+    kwargs = dict(input_ids=ids[None], position_ids=pos[None], use_cache=False,
+                  cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lens), max_length_k=max(lens))
     return DecoderInputs(kwargs, ids, offsets[:-1])
