@@ -26,7 +26,8 @@ BUDGET = 26  # tokens: splits step_batch's rows (40, 18, 5, 5, 5, 5) three ways
 @pytest.fixture
 def flash_attn_installed(monkeypatch):
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "flash_attn" else real(name, *a))
+    fake = object()  # find_spec only has to answer "found"
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: fake if name == "flash_attn" else real(name, *a))
 
 
 def test_auto_picks_flash_attention_only_for_bf16_compute_on_cuda(flash_attn_installed):
