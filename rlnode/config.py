@@ -234,6 +234,11 @@ class OptimConfig(_Section):
     min_lr_ratio: Annotated[float, Meta(ge=0, le=1)] = 0.1
     # Clip the global gradient norm; 0 = no clipping.
     max_grad_norm: Annotated[float, Meta(ge=0)] = 1.0
+    # AdamW kernel. "foreach" materialises sqrt(exp_avg_sq) for every
+    # parameter at each step (one more copy of the optimizer state: 15 GiB
+    # for a 4B model under "bf16-mixed"); "fused" updates in place. "auto":
+    # fused on cuda, torch's default elsewhere (a per-tensor loop on cpu).
+    adamw_impl: Literal["auto", "fused", "foreach"] = "auto"
 
 
 class WeightSyncConfig(_Section):
@@ -353,6 +358,11 @@ class TrainerConfig(_Section):
     # Recompute each decoder layer's activations in backward instead of
     # keeping them (less memory, ~30% more compute).
     activation_checkpointing: bool = False
+    # Trainer memory plan (rlnode/trainer/memory_plan.py), checked on cuda
+    # against the GPU's free memory before the model loads: "enforce"
+    # refuses to start when it cannot fit (the message lists the biggest
+    # terms and what to change), "warn" logs that and starts, "off" skips.
+    memory_check: Literal["enforce", "warn", "off"] = "enforce"
     # Score each episode's LLM calls in one forward row (call k+1's prompt
     # extends call k's prompt + completion, so the last call's sequence holds
     # them all): the same logprobs, a multi-turn episode's shared prefix

@@ -16,7 +16,8 @@ forward rows split into token-budget micro-batches, laid out for the
 attention kernel (``trainer.attention``, scoring.py): ONE concatenated
 sequence per micro-batch for the flash_attention_2 varlen kernel, else
 right-padded rows of similar length with no mask (never an [S, S] one);
-``activation_checkpointing`` recomputes decoder layers in backward.
+``activation_checkpointing`` recomputes decoder layers in backward. On
+cuda the memory plan (memory_plan.py) is checked before the model loads.
 
 Must not know about sockets, engines or the run directory.
 """
@@ -34,6 +35,7 @@ import torch
 from rlnode.config import Config, ConfigError
 from rlnode.trainer.buffer import Batch
 from rlnode.trainer.loss import LossInputs, policy_loss
+from rlnode.trainer.memory_plan import check_learner_memory, resolve_adamw_impl
 from rlnode.trainer.scoring import (MicroBatch, PackedRow, bucket_micro_batches, budget_micro_batches,
                                     chunked_logprobs, packed_inputs, padded_inputs)
 
@@ -173,6 +175,10 @@ class Learner:
         # One concatenated sequence per token-budget micro-batch only for a
         # varlen kernel; any other gets padded rows (scoring.py: layouts).
         self.varlen = self.attn_impl.startswith("flash_attention")
+        # Before any weight is on the device: a config that cannot fit is
+        # refused with its numbers instead of running out of memory later.
+        ranks = torch.distributed.get_world_size() if shard is not None and torch.distributed.is_initialized() else 1
+        self.memory_plan = check_learner_memory(cfg, self.device, ranks)
         dtype = PARAM_DTYPE[t.precision]
         self.model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=dtype,
                                                           attn_implementation=self.attn_impl).to(self.device)
@@ -191,8 +197,12 @@ class Learner:
                 cfg.model.path, dtype=ref_dtype, attn_implementation=self.attn_impl).to(self.device).eval()
             self.ref_model.requires_grad_(False)
         o = t.optim
+        # "foreach" holds a state-sized temporary at each step, "fused" none;
+        # the per-tensor loop (cpu's default) passes neither flag.
+        impl = resolve_adamw_impl(o.adamw_impl, self.device.type)
+        kernel = {"fused": dict(fused=True), "foreach": dict(foreach=True)}.get(impl, {})
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=tuple(o.betas),
-                                           weight_decay=o.weight_decay)
+                                           weight_decay=o.weight_decay, **kernel)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
             lambda step: lr_factor(step, o.warmup_steps, t.max_steps, o.schedule, o.min_lr_ratio),
@@ -267,7 +277,8 @@ class Learner:
             # chunkwise (scoring.py): never [N, V], let alone [R, L, V].
             lp, h = chunked_logprobs(model.get_output_embeddings(), hidden.reshape(-1, hidden.shape[-1])[f_i],
                                      inp.ids[f_i + 1], torch.tensor(temps, device=self.device),
-                                     t.logprob_chunk_tokens, fp32_head=t.precision == "bf16-mixed")  # [N], [N]
+                                     t.logprob_chunk_tokens, fp32_head=t.precision == "bf16-mixed",
+                                     entropy_grad=entropy_grad)  # [N], [N]
         if not (entropy_grad and torch.is_grad_enabled()):
             h = h.detach()
         T = max(len(s.completion_token_ids) for s in samples)

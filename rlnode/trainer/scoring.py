@@ -51,7 +51,7 @@ from torch.utils.checkpoint import checkpoint
 
 
 def _score_chunk(head: torch.nn.Module, h: torch.Tensor, targets: torch.Tensor, temps: torch.Tensor,
-                 fp32_head: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                 fp32_head: bool, entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """h [c, H], targets [c], temps [c] -> (logp [c], entropy [c]), fp32 (fp64 for an fp64 head)."""
     if fp32_head:
         # Outside autocast, in the head's own parameter dtype: an fp32 master
@@ -62,7 +62,11 @@ def _score_chunk(head: torch.nn.Module, h: torch.Tensor, targets: torch.Tensor, 
         logits = _at_least_fp32(head(h))  # [c, V]
     logp = torch.log_softmax(logits / temps[:, None], -1)  # [c, V]
     lp = logp.gather(1, targets[:, None])[:, 0]  # [c]
-    ent = -(logp.exp() * logp).sum(-1)  # [c]
+    # A metric-only entropy builds no graph: its saved [c, V] tensors would
+    # outlive the chunk's backward (never unpacked, the recompute keeps them
+    # to the end of backward): 2 [c, V] fp32 per chunk, i.e. [N, V] again.
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        ent = -(logp.exp() * logp).sum(-1)  # [c]
     return lp, ent
 
 
@@ -77,11 +81,13 @@ def _param_dtype(module: torch.nn.Module) -> torch.dtype:
 
 
 def chunked_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temps: torch.Tensor,
-                     chunk: int, fp32_head: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                     chunk: int, fp32_head: bool = False,
+                     entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """hidden [N, H] (final hidden state at the positions predicting
     ``targets`` [N]), temps [N] -> (logp [N], entropy [N]) in fp32, ``chunk``
     tokens at a time. Both outputs carry gradients to ``hidden`` and the
-    head's parameters; the caller detaches the entropy when it is a metric.
+    head's parameters, the entropy only with ``entropy_grad`` (False: a
+    metric, computed without a graph).
 
     fp32_head: run the head outside autocast in its parameters' dtype
     (bf16-mixed: fp32 master weights -> fp32 logits)."""
@@ -94,7 +100,7 @@ def chunked_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch
     # split (not slicing in a loop): its backward concatenates the chunks'
     # gradients once instead of adding K zero-padded [N, H] tensors.
     for h, y, t in zip(hidden.split(chunk), targets.split(chunk), temps.split(chunk)):
-        args = (head, h, y, t, fp32_head)
+        args = (head, h, y, t, fp32_head, entropy_grad)
         lp, ent = checkpoint(_score_chunk, *args, use_reentrant=False) if recompute else _score_chunk(*args)
         lps.append(lp)
         ents.append(ent)
