@@ -117,3 +117,46 @@ def test_budget_micro_batches_reindex_spans_to_local_samples():
     assert mbs[1].tokens == 12
     assert sorted(s for r in mbs[1].rows for s in r.spans) == [(0, 3, 2), (1, 2, 2), (2, 6, 2)]
     assert mbs[0].rows[0].spans == [(0, 10, 10)]
+
+
+_RSS_SCRIPT = """
+import resource, sys, torch
+from rlnode.trainer.scoring import chunked_logprobs
+torch.set_num_threads(1)
+N, c, V, H = 1024, 128, 32768, 16
+head = torch.nn.Linear(H, V, bias=False)
+hidden = torch.randn(N, H, requires_grad=True)
+y, temps = torch.randint(0, V, (N,)), torch.ones(N)
+# Warm-up (the buffers a first GEMM allocates stay in the baseline), then
+# reset the process's peak RSS (VmHWM) to its current RSS.
+w = chunked_logprobs(head, hidden[:c], y[:c], temps[:c], c)
+(w[0].sum() + w[1].sum()).backward()
+del w
+hidden.grad = head.weight.grad = None
+open("/proc/self/clear_refs", "w").write("5")
+base = int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize()
+lp, ent = chunked_logprobs(head, hidden, y, temps, c, entropy_grad=sys.argv[1] == "1")
+lp.sum().backward()  # the entropy is a metric: not in the loss
+hwm = next(int(x.split()[1]) * 1024 for x in open("/proc/self/status") if x.startswith("VmHWM"))
+print((hwm - base) / (c * V * 4))
+"""
+
+
+def test_a_metric_entropy_keeps_memory_bounded_by_the_chunk():
+    # Peak RSS of a fresh process in [chunk, V] fp32 units; a fixed mmap
+    # threshold makes glibc map (and unmap on free) every tensor, so RSS
+    # follows what is alive (its default threshold rises to 32 MB after the
+    # first free and keeps freed blocks in the heap). With a graph, the
+    # entropy's saved tensors are never unpacked in backward and the
+    # recompute keeps them to its end: ~2 per chunk, 8 chunks here.
+    import os
+    import subprocess
+    import sys
+
+    def units(entropy_grad: bool) -> float:
+        out = subprocess.run([sys.executable, "-c", _RSS_SCRIPT, "1" if entropy_grad else "0"], check=True,
+                             capture_output=True, text=True, env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"})
+        return float(out.stdout.split()[-1])
+
+    assert units(False) < 6  # ~4: a chunk's logits, log-softmax, exp and a gradient
+    assert units(True) > 12  # ~18: what the Learner paid before entropy_grad reached the chunks
