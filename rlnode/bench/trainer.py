@@ -19,7 +19,9 @@ second of optimizer step), MFU = 6 * params * tokens / step time / peak
 FLOP/s (None where the device's peak is unknown: CPUs), peak GPU memory,
 and on cuda the largest micro-batch (tokens) that fits, by doubling
 micro_batch_tokens until a step runs out of memory. Medians over
-``rounds`` steps after one warm-up step.
+``rounds`` steps after one warm-up step. Next to rlnode's measured peak,
+the memory plan's prediction for this micro-batch (memory_plan.py), so a
+GPU run checks the plan's arithmetic.
 """
 
 from __future__ import annotations
@@ -66,6 +68,10 @@ class TrainerBenchResult(msgspec.Struct):
     speedup: float | None  # baseline step_s / rlnode step_s
     memory_ratio: float | None  # rlnode peak / baseline peak
     max_micro_batch_tokens: int | None  # largest that fit (cuda only)
+    # The memory plan's peak for this step's largest micro-batch (what
+    # rlnode.peak_mem_gib measures); None where the model is not modelled.
+    predicted_peak_gib: float | None = None
+    predicted_peak_phase: str = ""
 
 
 def synthetic_batch(n: int, prompt: int, completion: int, vocab: int, seed: int = 0) -> Batch:
@@ -163,12 +169,17 @@ def bench_trainer(cfg: Config, tokens_per_step: int, prompt_tokens: int, complet
                   log) -> TrainerBenchResult:
     from rlnode.trainer.learner import PARAM_DTYPE, Learner
 
+    if cfg.trainer.memory_check == "enforce":
+        # The bench measures what the plan predicts (and probes past it for
+        # the largest micro-batch): warn instead of refusing.
+        cfg = msgspec.structs.replace(cfg, trainer=msgspec.structs.replace(cfg.trainer, memory_check="warn"))
     learner = Learner(cfg)
     device, vocab = learner.device, learner.vocab_size
     params = sum(p.numel() for p in learner.model.parameters())
     n = max(1, tokens_per_step // (prompt_tokens + completion_tokens))
     batch = synthetic_batch(n, prompt_tokens, completion_tokens, vocab)
     tokens = n * (prompt_tokens + completion_tokens)
+    plan = _predicted(cfg, n, prompt_tokens + completion_tokens, device.type)
     flops = _peak_flops(device)
     log(f"trainer: {params / 1e6:.1f}M params on {device}, {n} samples x {prompt_tokens}+{completion_tokens} tokens")
 
@@ -200,7 +211,23 @@ def bench_trainer(cfg: Config, tokens_per_step: int, prompt_tokens: int, complet
         micro_batch_tokens=cfg.trainer.micro_batch_tokens, rounds=rounds, rlnode=ours, baseline=base,
         speedup=base.step_s / ours.step_s if ok else None,
         memory_ratio=ours.peak_mem_gib / base.peak_mem_gib if ok and base.peak_mem_gib else None,
-        max_micro_batch_tokens=largest)
+        max_micro_batch_tokens=largest, predicted_peak_gib=plan.peak / 2**30 if plan else None,
+        predicted_peak_phase=plan.peak_phase if plan else "")
+
+
+def _predicted(cfg: Config, n: int, length: int, device_type: str):
+    """The memory plan for the bench's largest micro-batch: ``n`` samples of
+    ``length`` tokens split by micro_batch_tokens (whole samples; a longer
+    sample alone) or micro_batch_size."""
+    from rlnode.trainer.memory_plan import UnsupportedModel, plan_for_config
+
+    t = cfg.trainer
+    per_mb = max(1, t.micro_batch_tokens // length) if t.micro_batch_tokens > 0 else t.micro_batch_size
+    try:
+        return plan_for_config(cfg, 0, ranks=1, tokens=min(n, per_mb) * length,
+                               device_type=device_type)
+    except UnsupportedModel:
+        return None
 
 
 def _largest_micro_batch(learner, prompt: int, completion: int, vocab: int, log, cap: int = 1 << 20) -> int | None:
@@ -243,3 +270,7 @@ def print_table(res: TrainerBenchResult) -> None:
     mem = f"{res.memory_ratio:.2f}" if res.memory_ratio is not None else "-"
     print(f"  speedup (baseline / rlnode step time) = {speed}, memory ratio = {mem}, "
           f"largest micro-batch that fits = {res.max_micro_batch_tokens or '-'} tokens")
+    if res.predicted_peak_gib is not None:
+        got = f"{res.rlnode.peak_mem_gib:.2f}" if res.rlnode.peak_mem_gib is not None else "-"
+        print(f"  memory plan: predicted rlnode peak {res.predicted_peak_gib:.2f} GiB ({res.predicted_peak_phase}), "
+              f"measured {got} GiB")

@@ -229,7 +229,10 @@ class MemoryPlan(msgspec.Struct, kw_only=True):
         room = f"{_g(self.device_bytes)} GiB free"
         verdict = {"fits": f"fits in {room}.", "does_not_fit": f"does NOT fit in {room}.",
                    "may_not_fit": f"may not fit in {room} if micro-batches reach that size."}[self.verdict]
-        terms = ", ".join(f"{k.replace('_', ' ')} {_g(v)}" for k, v in list(self.peak_terms.items())[:5])
+        # bf16-mixed's "weights" are the bf16 copies the forward computes with.
+        label = {"weights": "bf16 weight copies"} if self.precision == "bf16-mixed" else {}
+        terms = ", ".join(f"{label.get(k, k.replace('_', ' '))} {_g(v)}"
+                          for k, v in list(self.peak_terms.items())[:5])
         text = f"{head}{verdict} Biggest terms (GiB): {terms}."
         if self.verdict != "fits" and self.advice:
             text += " To fit: " + "; ".join(self.advice) + "."
@@ -443,6 +446,8 @@ def _together(m: ModelShape, k: _Knobs, device_bytes: int, ranks: bool) -> list[
              ("trainer.activation_checkpointing = true", dict(ckpt=True)),
              ("trainer.logprob_chunk_tokens = 512", dict(chunk=min(k.chunk, 512)))]
     steps += [(f"trainer.parallel.ranks = {r}", dict(ranks=r)) for r in (2, 4, 8) if ranks and r > k.ranks]
+    steps = [(text, change) for text, change in steps
+             if any(getattr(k, key) != value for key, value in change.items())]  # not what it is already
     said, cur = [], k
     for text, change in steps:
         cur = msgspec.structs.replace(cur, **change)
