@@ -30,8 +30,9 @@ I intermediate, q = heads * head_dim, k = kv_heads * head_dim; b = parameter
 bytes, c = compute bytes; counted from what each op saves, and checked
 against autograd's saved tensors in tests/test_memory_plan.py):
 
-  bf16-mixed:  26 H + 12 q + 10 k + 8 I     (fp32 residual stream; autocast
-               casts the fp32 norm output once per consumer: q, k, v, gate, up)
+  bf16-mixed:  26 H + 6 (q + k) [qk-norm] + 6 q + 4 k + 8 I   (fp32 residual
+               stream; autocast casts the fp32 norm output once per consumer:
+               q, k, v, gate, up)
   fp32, bf16:  2 (4 + 2b) H + (4 + b)(q + k) [qk-norm] + b (3q + 2k) + 4 b I
 
 Activation checkpointing keeps only each layer's input (b H per token; 4 H
@@ -81,7 +82,8 @@ HEAD_BACKWARD_TENSORS = 5
 # FSDP2 (parallel.py): decoder layers gathered at once (the current one and
 # the prefetched next) while the rest stay sharded.
 FSDP_GATHERED_LAYERS = 2
-# Model types whose config.json keys this module reads exactly.
+# Model types whose layers this module counts exactly; others are counted
+# as a llama-style dense decoder from the same config.json keys.
 KNOWN_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 PRECISION_BYTES = {"fp32": 4, "bf16-mixed": 4, "bf16": 2}  # parameters, grads, AdamW state
 COMPUTE_BYTES = {"fp32": 4, "bf16-mixed": 2, "bf16": 2}  # what the matmuls read and write
@@ -137,11 +139,10 @@ class ModelShape(msgspec.Struct, frozen=True, kw_only=True):
     def from_dir(cls, path: str | Path) -> ModelShape:
         f = Path(path) / "config.json"
         try:
-            return cls.from_config(json.loads(f.read_text()))
+            d = json.loads(f.read_text())
         except (OSError, ValueError) as e:
-            if isinstance(e, UnsupportedModel):
-                raise
             raise UnsupportedModel(f"{f}: {e}") from None
+        return cls.from_config(d)
 
     @property
     def q(self) -> int:
@@ -184,8 +185,9 @@ class ModelShape(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class MemoryPlan(msgspec.Struct, kw_only=True):
-    """Per-rank device memory of a trainer config. Byte counts are per rank
-    and for the phase named in ``peak_phase`` unless said otherwise."""
+    """Per-rank device memory of a trainer config. Each byte field is one
+    term's size per GPU; ``phases`` sums the terms that coexist in each
+    phase, ``peak_terms`` lists those of the largest."""
 
     model: str  # model_type and parameter count, for messages
     params: int
@@ -202,8 +204,8 @@ class MemoryPlan(msgspec.Struct, kw_only=True):
     optimizer_states: int  # AdamW exp_avg + exp_avg_sq, in the parameters' dtype
     optimizer_temporaries: int  # only in the optimizer phase
     activations: int  # decoder activations kept for backward (+ recompute), one micro-batch
-    logits: int  # fp32 [chunk, vocab] tensors of the scoring head
-    fsdp_unsharded: int  # FSDP2: gathered root/head group + gathered layers (ranks > 1)
+    logits: int  # fp32 [chunk, vocab] tensors of the scoring head in backward (3/5 of it in forward)
+    fsdp_unsharded: int  # FSDP2 (ranks > 1): the gathered root/head group, a layer's unsharded gradient
     reference_model: int  # frozen KL reference, whole on every rank
     phases: dict[str, int]  # peak bytes allocated per phase
     peak_phase: str
@@ -237,7 +239,8 @@ class MemoryPlan(msgspec.Struct, kw_only=True):
         if self.verdict != "fits" and self.advice:
             text += " To fit: " + "; ".join(self.advice) + "."
         elif self.verdict != "fits":
-            text += " No single change found that fits: use more GPUs (trainer.parallel.ranks) or a smaller model."
+            text += (" Nothing the plan tries fits (up to trainer.parallel.ranks = 8, precision bf16): a smaller "
+                     "model or a larger GPU.")
         return text
 
 
@@ -329,8 +332,9 @@ def _plan(m: ModelShape, k: _Knobs, device_bytes: int) -> MemoryPlan:
     peak = phases[peak_phase]
     reserve = RESERVE_FIXED + int(RESERVE_FRACTION * peak)
     s, a = _state_terms(m, k), _activation_terms(m, k)
+    known = "" if m.model_type in KNOWN_TYPES else " (counted as a llama-style decoder)"
     return MemoryPlan(
-        model=f"{m.model_type or 'model'} {m.params() / 1e9:.2f}B params", params=m.params(), ranks=k.ranks,
+        model=f"{m.model_type or 'model'} {m.params() / 1e9:.2f}B params{known}", params=m.params(), ranks=k.ranks,
         precision=k.precision, adamw_impl=k.adamw_impl, tokens=k.tokens, tokens_exact=k.tokens_exact,
         chunk_tokens=min(k.chunk, k.tokens), activation_checkpointing=k.ckpt, weights=s["weights"] + s["copies"],
         master_weights=s["master_weights"], gradients=s["gradients"], optimizer_states=s["optimizer_states"],
