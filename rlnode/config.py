@@ -248,7 +248,10 @@ class WeightSyncConfig(_Section):
     #   CUDA IPC handles of the trainer's (bucketed) tensors; no NCCL group,
     #   so trainer and engine may share one GPU. "auto" picks it when the
     #   trainer is on cuda and every engine in the group is on the trainer's
-    #   host; gloo with a cuda trainer stages each bucket through CPU memory.
+    #   host and sees the trainer's GPU (matched by UUID: engines run under
+    #   their own CUDA_VISIBLE_DEVICES), else nccl; the trainer logs why
+    #   (weights.backend) and /status shows it. gloo with a cuda trainer
+    #   stages each bucket through CPU memory.
     backend: Literal["auto", "gloo", "nccl", "cuda_ipc"] = "auto"
     # Tensors are packed into flat buffers of about this size (MiB), one
     # collective each.

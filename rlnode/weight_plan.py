@@ -350,6 +350,9 @@ class WeightComm:
 
     # Tests set this to run the CPU staging path with CPU tensors.
     force_staging = False
+    # cuda_ipc workers: the trainer's lent buffer, mapped on first use and
+    # kept until close (weight_ipc.LentBuffers).
+    _borrowed = None
 
     def __init__(self, spec: GroupSpec, rank: int, device, listen_socket: socket.socket | None = None):
         import torch
@@ -418,25 +421,29 @@ class WeightComm:
 
     def _lend(self, buf: torch.Tensor) -> None:
         """cuda_ipc: rank 0 lends ``buf`` by handle; the others copy it into
-        their ``buf`` and acknowledge (module docstring of ``weight_ipc``)."""
+        their ``buf`` and acknowledge (module docstring of ``weight_ipc``).
+        Rank 0 exports a buffer once for all its buckets and pushes
+        (``lend_handle``); a worker maps each export once (``LentBuffers``)."""
         import torch
 
-        from rlnode.weight_ipc import decode_handle, encode_handle, export_handle, open_handle
+        from rlnode.weight_ipc import LentBuffers, decode_handle, encode_handle, lend_handle
 
         if self.rank == 0:
-            blob = torch.frombuffer(bytearray(encode_handle(export_handle(buf))), dtype=torch.uint8)
+            blob = torch.frombuffer(bytearray(encode_handle(lend_handle(buf))), dtype=torch.uint8)
         size = self.broadcast_int(blob.numel() if self.rank == 0 else 0)
         if self.rank != 0:
             blob = torch.empty(size, dtype=torch.uint8)
         self._pg.broadcast(blob, 0).wait()
         if self.rank != 0:
             try:
-                lent = open_handle(decode_handle(blob.numpy().tobytes()))
+                if self._borrowed is None:
+                    self._borrowed = LentBuffers()
+                lent = self._borrowed.view(decode_handle(blob.numpy().tobytes()))
                 if lent.numel() != buf.numel():
                     raise TransferError(f"lent buffer has {lent.numel()} bytes, expected {buf.numel()}")
                 buf.copy_(lent)
-                torch.cuda.current_stream(buf.device).synchronize()
-                del lent  # unmapped (torch's consumer count drops) before the ack
+                if buf.is_cuda:  # the copy is done before the ack lets rank 0 overwrite its buffer
+                    torch.cuda.current_stream(buf.device).synchronize()
             except Exception:
                 self.sum_int(1)  # the others learn of it in the same ack
                 raise
@@ -467,6 +474,8 @@ class WeightComm:
         return int(t.item())
 
     def close(self) -> None:
+        if self._borrowed is not None:
+            self._borrowed.close()
         if self._pg is not None:
             pg, self._pg = self._pg, None
             pg.shutdown()

@@ -107,14 +107,19 @@ class _Msg(msgspec.Struct, array_like=True, omit_defaults=True):
 
 class EngineInfo(_Msg):
     """One engine of an actor node (inside ``Register``); encodes as
-    ``[engine_id, num_workers, host]`` (``[engine_id, num_workers]`` from
-    actors that predate ``host``)."""
+    ``[engine_id, num_workers, host, gpus]`` (shorter from actors that
+    predate ``gpus`` or ``host``; defaults omitted)."""
 
     engine_id: int
     num_workers: int  # tensor-parallel worker processes: ranks in the weight broadcast
     # The machine it runs on (rlnode.weight_ipc.host_identity); "" = not said.
     # The trainer lends weights by CUDA IPC to engines on its own machine.
     host: str = ""
+    # UUIDs ("GPU-...") of the GPUs its processes see, which every one of its
+    # worker ranks sees (they share the engine's CUDA_VISIBLE_DEVICES); [] =
+    # not said (an older actor, a CPU engine, no NVML). The trainer lends by
+    # CUDA IPC only to engines that see its own GPU.
+    gpus: list[str] = []
 
 
 class Register(_Msg, tag="register"):

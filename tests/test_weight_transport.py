@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from rlnode.config import ModelConfig, WeightSyncConfig
-from rlnode.trainer.weights import WeightBroadcaster, resolve_backend, update_tensors
+from rlnode.trainer.weights import EnginePlace, WeightBroadcaster, resolve_backend, update_tensors
 from rlnode.weight_ipc import IpcHandle, decode_handle, encode_handle, host_identity
 from rlnode.weight_plan import PlanMismatch, WeightComm, agree_on_plan, decode_plan, encode, keep_stdout, unpack_bucket
 from rlnode.wire import EngineInfo, Register
@@ -33,21 +33,27 @@ def test_ipc_handle_roundtrip_without_pickle():
 
 def test_backend_follows_where_the_engines_run():
     auto, here = WeightSyncConfig(), host_identity()
+    gpu = "GPU-6f1c0000-0000-0000-0000-000000000001"
     assert here == host_identity() and "/" in here
-    assert resolve_backend(auto, "cpu", [here]) == "gloo"
-    assert resolve_backend(auto, "cuda:0", [here, here]) == "cuda_ipc"
-    assert resolve_backend(auto, "cuda:0", [here, "other/boot"]) == "nccl"
-    assert resolve_backend(auto, "cuda:0", [""]) == "nccl"  # an actor that did not say
-    assert resolve_backend(WeightSyncConfig(backend="gloo"), "cuda:0", [here]) == "gloo"
+
+    def choose(device, *engines):
+        return resolve_backend(auto, device, [EnginePlace(f"a/{i}", *e) for i, e in enumerate(engines)],
+                               trainer_gpu=gpu)[0]
+
+    assert choose("cpu", (here,)) == "gloo"
+    assert choose("cuda:0", (here, (gpu,)), (here, (gpu,))) == "cuda_ipc"
+    assert choose("cuda:0", (here, (gpu,)), ("other/boot", (gpu,))) == "nccl"
+    assert choose("cuda:0", ("",)) == "nccl"  # an actor that did not say
+    assert resolve_backend(WeightSyncConfig(backend="gloo"), "cuda:0", [EnginePlace("a/0", here)])[0] == "gloo"
 
     bc = WeightBroadcaster(WeightSyncConfig(base_port=random.randrange(30000, 60000)), master_host="127.0.0.1",
-                           device="cuda:0")
-    spec = bc.new_epoch([("a/0", 1, here), ("a/1", 2, here)])
+                           device="cuda:0", gpu_uuid=gpu)
+    spec = bc.new_epoch([("a/0", 1, here, [gpu]), ("a/1", 2, here, [gpu])])
     assert spec.backend == "cuda_ipc" and [m.host for m in spec.members] == [here, here]
-    assert bc.new_epoch([("a/0", 1, here), ("b/0", 1, "b/boot")]).backend == "nccl"
+    assert bc.new_epoch([("a/0", 1, here, [gpu]), ("b/0", 1, "b/boot", [gpu])]).backend == "nccl"
     assert bc.new_epoch([("a/0", 1)]).backend == "nccl"
     ipc = WeightBroadcaster(WeightSyncConfig(backend="cuda_ipc", base_port=random.randrange(30000, 60000)),
-                            master_host="127.0.0.1", device="cuda:0")
+                            master_host="127.0.0.1", device="cuda:0", gpu_uuid=gpu)
     with pytest.raises(PlanMismatch, match="not on the trainer's host"):
         ipc.new_epoch([("b/0", 1, "b/boot")])
     with pytest.raises(ValueError, match="cuda_ipc needs the trainer's tensors on cuda"):
@@ -66,7 +72,7 @@ def test_engine_host_travels_and_old_registrations_decode():
     new = EngineInfo(0, 2, host_identity())
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(new), type=EngineInfo) == new
     old = msgspec.msgpack.decode(msgspec.msgpack.encode(OldEngineInfo(1, 1)), type=EngineInfo)
-    assert old == EngineInfo(1, 1, "")
+    assert old == EngineInfo(1, 1, "", [])
     reg = Register("n", "i", [new])
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(reg), type=Register).engines == [new]
 

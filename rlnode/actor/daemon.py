@@ -150,10 +150,11 @@ class ActorDaemon:
         from rlnode.link.actor_link import ActorLink
 
         from rlnode.weight_ipc import host_identity
+        from rlnode.wire import EngineInfo
 
         tp = self.cfg.actor.engine.tensor_parallel_size
-        self.link = ActorLink(trainer_endpoint(self.peers[0]), self.node_id,
-                              [(e.engine_id, tp, host_identity()) for e in self.engines], self.cfg.link,
+        engines = [EngineInfo(e.engine_id, tp, host_identity(), list(e.visible_gpus)) for e in self.engines]
+        self.link = ActorLink(trainer_endpoint(self.peers[0]), self.node_id, engines, self.cfg.link,
                               incarnation=self.incarnation, stats=self._stats,
                               credit_want=groups_in_flight(self.cfg) if self.scheduler else 0,
                               settled=self._settled if self.scheduler else None)

@@ -173,6 +173,25 @@ def cuda_env(gpus: list[int]) -> dict[str, str]:
     }
 
 
+def engine_visible_gpus(gpus: list[int] | None) -> tuple[str, ...]:
+    """UUIDs of the GPUs an engine started with ``cuda_env(gpus)`` sees: the
+    same for every one of its worker ranks (vLLM's workers inherit the
+    engine's CUDA_VISIBLE_DEVICES and pick their device inside it). Read
+    through NVML, so this process creates no CUDA context. () on CPU, or
+    when NVML cannot say: the trainer then sends weights over NCCL rather
+    than lend it memory it may not be able to open."""
+    from rlnode import weight_ipc
+
+    if gpus is None:
+        return ()
+    try:
+        physical = weight_ipc.nvml_gpu_uuids()
+    except Exception as e:  # noqa: BLE001 - no NVML: reported as unknown
+        log.warning("engine.gpu_uuids_unknown", error=repr(e))
+        return ()
+    return weight_ipc.visible_gpus(cuda_env(gpus)["CUDA_VISIBLE_DEVICES"], physical)
+
+
 def fp32_precision_env(cfg: EngineConfig, model: ModelConfig) -> dict[str, str]:
     """cuda engines with an fp32 model: Triton's default precision for fp32
     dot products (``actor.engine.fp32_dot_precision``). vLLM's Triton
@@ -255,6 +274,10 @@ class Engine:
         self.weight_version = "0"
         # Per-request version spans, where vLLM does not report them.
         self._spans: vllm_compat.VersionSpans | None = None
+        # UUIDs of the GPUs its processes see (set by start; () on CPU): the
+        # actor reports them so the trainer knows whether it may lend
+        # weights by CUDA IPC (wire.EngineInfo.gpus).
+        self.visible_gpus: tuple[str, ...] = ()
 
     async def start(self) -> None:
         if self.device == "cpu":
@@ -267,6 +290,7 @@ class Engine:
 
             # device_count() asks NVML and leaves CUDA uninitialised here.
             gpus = engine_gpu_assignment(self.cfg, torch.cuda.device_count())[self.engine_id]
+            self.visible_gpus = engine_visible_gpus(gpus)
         self._spans = None if vllm_compat.api().weight_versions else vllm_compat.VersionSpans()
         args = build_engine_args(self.model_cfg, self.cfg, self.engine_id, self.worker_extension_cls)
         t0 = time.monotonic()

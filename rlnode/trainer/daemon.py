@@ -341,7 +341,12 @@ class TrainerDaemon:
                        "groups": p.groups, "last_seen": p.last_seen} for pid, p in peers.items()],
             "weights": {"pushes": self.pusher.pushes if self.pusher else 0,
                         "failures": self.pusher.failures if self.pusher else 0,
-                        "last_push_s": self.pusher.last_push_s if self.pusher else 0.0},
+                        "last_push_s": self.pusher.last_push_s if self.pusher else 0.0,
+                        # The current epoch's transport, and why (trainer.weights.backend "auto"
+                        # picks cuda_ipc only for engines that can open the trainer's GPU memory).
+                        "backend": self.pusher.broadcaster.spec.backend
+                        if self.pusher and self.pusher.broadcaster.spec else "",
+                        "backend_reason": self.pusher.broadcaster.backend_reason if self.pusher else ""},
             "link": msgspec.to_builtins(self.link.counters) if self.link else {},
             # insecure = true: a non-loopback bind without CurveZMQ (link.insecure).
             "security": self.link.security() if self.link else {},

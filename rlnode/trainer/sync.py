@@ -202,7 +202,7 @@ class WeightPusher:
     async def _reform(self, live: dict[str, tuple[str, list]]) -> None:
         self.members = live
         # Members are named "<node id>/<engine id>": how an actor finds its ranks.
-        engines = [(f"{node}/{e.engine_id}", e.num_workers, e.host) for node, es in live.values() for e in es]
+        engines = [(f"{node}/{e.engine_id}", e.num_workers, e.host, e.gpus) for node, es in live.values() for e in es]
         spec = self.broadcaster.new_epoch(engines)
         blob = base64.b64encode(encode(spec)).decode()  # the payload carries text, not bytes
         own = asyncio.ensure_future(self.broadcaster.open_group_async(spec))

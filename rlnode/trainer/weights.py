@@ -33,7 +33,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import msgspec
 
@@ -138,36 +138,67 @@ class WeightGuard:
             yield self.version
 
 
-def resolve_backend(cfg: WeightSyncConfig, device: str, member_hosts: Sequence[str] = (),
-                    local_host: str | None = None) -> str:
-    """The transport of one group epoch. "auto": a CPU trainer -> gloo; a
-    cuda trainer -> cuda_ipc when every member engine runs on this machine
-    (NCCL refuses two ranks on one GPU, and a shared GPU is the common
-    single-node case), else nccl. ``member_hosts``: each member's
-    ``host_identity()`` ("" when an older actor did not say)."""
-    if cfg.backend != "auto":
-        return cfg.backend
-    if not str(device).startswith("cuda"):
-        return "gloo"
-    if local_host is None:
-        from rlnode.weight_ipc import host_identity
+class EnginePlace(NamedTuple):
+    """Where one engine of a group runs, as its actor reported it
+    (``wire.EngineInfo``)."""
 
-        local_host = host_identity()
-    local = bool(member_hosts) and all(h == local_host for h in member_hosts)
-    return "cuda_ipc" if local else "nccl"
+    actor_id: str  # "<node id>/<engine index>"
+    host: str = ""  # weight_ipc.host_identity(); "" = not said (an older actor)
+    gpus: tuple[str, ...] = ()  # UUIDs its worker ranks see; () = not said, or a CPU engine
+
+
+def resolve_backend(cfg: WeightSyncConfig, device: str, engines: Sequence[EnginePlace] = (), *,
+                    local_host: str | None = None, trainer_gpu: str | None = None) -> tuple[str, str]:
+    """The transport of one group epoch and why, for the log and /status.
+
+    "auto": a CPU trainer -> gloo; a cuda trainer -> cuda_ipc when every
+    engine runs on this machine and the trainer's GPU is among the GPUs
+    every one of its worker ranks sees (NCCL refuses two ranks on one GPU,
+    and a shared GPU is the common single-node case), else nccl: an engine
+    that runs elsewhere, that sees only its own GPUs (each engine runs
+    under its own CUDA_VISIBLE_DEVICES), or whose actor did not say (an
+    older one) could not open the trainer's memory. ``trainer_gpu``: the
+    trainer's GPU UUID (None = asked from torch); ``local_host``: this
+    machine (None = ``host_identity()``)."""
+    from rlnode.weight_ipc import gpu_key, host_identity, own_gpu_uuid, sees_gpu
+
+    if cfg.backend != "auto":
+        return cfg.backend, f"weight_sync.backend = {cfg.backend}"
+    if not str(device).startswith("cuda"):
+        return "gloo", f"the trainer is on {device}"
+    if not engines:
+        return "nccl", "no engine said where it runs"
+    local_host = host_identity() if local_host is None else local_host
+    if away := [e.actor_id for e in engines if e.host != local_host]:
+        return "nccl", f"engines {away} run on another machine or did not say where (older actors)"
+    trainer_gpu = own_gpu_uuid(device) if trainer_gpu is None else trainer_gpu
+    if not trainer_gpu:
+        return "nccl", f"the UUID of the trainer's GPU ({device}) is unknown"
+    if blind := {e.actor_id: list(e.gpus) for e in engines if not sees_gpu(e.gpus, trainer_gpu)}:
+        return "nccl", (f"the trainer's GPU GPU-{gpu_key(trainer_gpu)} is not visible to engines {blind} "
+                        "(the GPUs each sees; [] = not said: an older actor or no NVML)")
+    return "cuda_ipc", f"every engine runs on this machine and sees the trainer's GPU GPU-{gpu_key(trainer_gpu)}"
+
+
+def _place(actor_id: str, num_ranks: int, host: str = "", gpus: Sequence[str] = ()) -> EnginePlace:
+    return EnginePlace(actor_id, host, tuple(gpus))
 
 
 class WeightBroadcaster:
     """Rank 0: plans and broadcasts weight updates to every engine worker."""
 
     def __init__(self, cfg: WeightSyncConfig, *, master_host: str, device: str = "cpu",
-                 timeout_s: float = 300.0, send_dtype: str | None = None):
+                 timeout_s: float = 300.0, send_dtype: str | None = None, gpu_uuid: str | None = None):
         self.cfg = cfg
         self.master_host = cfg.master_host or master_host
         self.device = device
         # The configured transport; "auto" is decided per epoch (new_epoch),
-        # from where the members run.
+        # from where the members run and which GPUs they see.
         self.backend = cfg.backend
+        # Why the last epoch got its transport (logged, and in /status).
+        self.backend_reason = ""
+        # The trainer's GPU UUID; None = asked from torch when an epoch needs it.
+        self.gpu_uuid = gpu_uuid
         if self.backend in ("nccl", "cuda_ipc") and not str(device).startswith("cuda"):
             raise ValueError(f"weight_sync.backend = {self.backend} needs the trainer's tensors on cuda")
         self.timeout_s = timeout_s
@@ -186,34 +217,55 @@ class WeightBroadcaster:
 
     # -- epochs ------------------------------------------------------------
 
-    def new_epoch(self, members: Sequence[tuple[str, int] | tuple[str, int, str]]) -> GroupSpec:
+    def new_epoch(self, members: Sequence[tuple]) -> GroupSpec:
         """Describe the next group: ``members`` = (actor_id, num_ranks[,
-        host]) in rank order. Reserves a fresh port; send the spec to the
-        actors, then ``open_group(spec)`` while they join."""
+        host[, gpus]]) in rank order (``gpus``: the UUIDs the engine's
+        workers see). Reserves a fresh port; send the spec to the actors,
+        then ``open_group(spec)`` while they join."""
         if not members:
             raise ValueError("a group epoch needs at least one engine")
         for sock in self._reserved.values():  # specs planned but never opened
             sock.close()
         self._reserved.clear()
+        places = [_place(*m) for m in members]
+        backend, why = resolve_backend(self.cfg, self.device, places, trainer_gpu=self._gpu_uuid())
+        if backend == "cuda_ipc":
+            self._check_ipc(places)
         self.epoch += 1
         sock, port = self._reserve_port()
         self._reserved[self.epoch] = sock
         rank, group = 1, []
-        for actor_id, num_ranks, *host in members:
-            group.append(GroupMember(actor_id, rank, num_ranks, host[0] if host else ""))
-            rank += num_ranks
-        backend = resolve_backend(self.cfg, self.device, [m.host for m in group])
-        if backend == "cuda_ipc":
-            from rlnode.weight_ipc import host_identity
-
-            if remote := [m.actor_id for m in group if m.host != host_identity()]:
-                raise PlanMismatch(f"weight_sync.backend = cuda_ipc: engines {remote} are not on the trainer's host")
+        for place, member in zip(places, members):
+            group.append(GroupMember(place.actor_id, rank, member[1], place.host))
+            rank += member[1]
         # A fresh secret per epoch: it reaches the members inside the spec
         # (over the link) only, and a member of an old epoch cannot join.
         spec = GroupSpec(self.epoch, self.master_host, port, rank, backend,  # type: ignore[arg-type]
                          tuple(group), self.timeout_s, secret=new_secret())
         spec.validate()
+        self.backend_reason = why
+        log.info("weights.backend", epoch=self.epoch, backend=backend, why=why)
         return spec
+
+    def _gpu_uuid(self) -> str | None:
+        if self.gpu_uuid is None and str(self.device).startswith("cuda"):
+            from rlnode.weight_ipc import own_gpu_uuid
+
+            self.gpu_uuid = own_gpu_uuid(self.device)
+        return self.gpu_uuid
+
+    def _check_ipc(self, places: Sequence[EnginePlace]) -> None:
+        """cuda_ipc (configured or chosen): every engine must be able to open
+        the trainer's memory. An engine that did not report its GPUs (an
+        older actor) is let try: the configured choice is the operator's."""
+        from rlnode.weight_ipc import host_identity, sees_gpu
+
+        if remote := [p.actor_id for p in places if p.host != host_identity()]:
+            raise PlanMismatch(f"weight_sync.backend = cuda_ipc: engines {remote} are not on the trainer's host")
+        if (gpu := self._gpu_uuid()) and (blind := {p.actor_id: list(p.gpus) for p in places
+                                                    if p.gpus and not sees_gpu(p.gpus, gpu)}):
+            raise PlanMismatch(f"weight_sync.backend = cuda_ipc: the trainer's GPU {gpu} is not visible to engines "
+                               f"{blind} (the GPUs each sees); use nccl, or give the engines the trainer's GPU")
 
     def _reserve_port(self) -> tuple[socket.socket, int]:
         for port in range(self._next_port, self._next_port + PORT_SEARCH_SPAN):
