@@ -104,7 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("name", choices=BENCHES,
                        help="router: AdmissionRouter+Engine vs direct AsyncLLM vs vllm serve; "
                        "transport: ZeroMQ link with acks vs a JSONL file stream; "
-                       "weights: one in-flight weight update vs a bare gloo broadcast; "
+                       "weights: in-flight weight updates of the configured job (--backend to pick the "
+                       "transport) vs a bare gloo broadcast; "
                        "async: wall time to N optimizer steps, pipelined vs sync; "
                        "fuzz: hostile frames at a live trainer (rejected/s, crashes, steps trained); "
                        "trainer: Learner.train_step vs transformers + AdamW (tokens/s, MFU, peak memory); "
@@ -124,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--prompt-tokens", type=int, default=512, help="trainer: prompt tokens per sample (default 512)")
     bench.add_argument("--completion-tokens", type=int, default=1536,
                        help="trainer: completion tokens per sample (default 1536)")
+    bench.add_argument("--backend", choices=("gloo", "nccl", "cuda_ipc"),
+                       help="weights: the transport to measure (default trainer.weights.backend, whose \"auto\" "
+                       "is decided as the trainer decides it); one this host cannot run is refused at once")
     bench.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     return p
 

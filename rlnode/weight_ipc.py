@@ -106,6 +106,9 @@ def device_uuid(index: int) -> str:
 # --------------------------------------------------------------------------
 # Which GPUs a process sees, by UUID.
 
+# NVML_DEVICE_UUID_V2_BUFFER_SIZE: room for any UUID NVML writes.
+NVML_UUID_BUFFER = 96
+
 
 def gpu_key(uuid: str) -> str:
     """A GPU UUID in one spelling: NVML and CUDA_VISIBLE_DEVICES write
@@ -148,24 +151,34 @@ def visible_gpus(cuda_visible_devices: str | None, physical: Sequence[str]) -> t
 
 def nvml_gpu_uuids() -> tuple[str, ...]:
     """Every GPU's UUID ("GPU-..."), in NVML order, read through NVML (the
-    driver's management library): no CUDA context is created, so the actor
-    daemon can ask before it starts its engines (a vLLM engine core forked
-    from a process that initialised CUDA fails, DESIGN §10). Raises when
-    NVML is missing (no NVIDIA driver)."""
-    try:
-        from vllm.third_party import pynvml  # vLLM's copy of nvidia-ml-py
-    except ImportError:
-        import pynvml
+    driver's management library, as torch counts GPUs without CUDA): no
+    CUDA context is created, so the actor daemon can ask before it starts
+    its engines (a vLLM engine core forked from a process that initialised
+    CUDA fails, DESIGN §10). Raises OSError without an NVIDIA driver,
+    RuntimeError when NVML fails."""
+    import ctypes
 
-    pynvml.nvmlInit()
+    nvml = ctypes.CDLL("libnvidia-ml.so.1")
+
+    def check(rc: int, what: str) -> None:
+        if rc != 0:
+            raise RuntimeError(f"NVML: {what} failed (nvmlReturn_t {rc})")
+
+    check(nvml.nvmlInit_v2(), "nvmlInit_v2")
     try:
+        count = ctypes.c_uint()
+        check(nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)), "nvmlDeviceGetCount_v2")
         uuids = []
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            uuid = pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(i))
-            uuids.append(uuid.decode() if isinstance(uuid, bytes) else str(uuid))
+        for i in range(count.value):
+            device = ctypes.c_void_p()  # nvmlDevice_t
+            check(nvml.nvmlDeviceGetHandleByIndex_v2(ctypes.c_uint(i), ctypes.byref(device)),
+                  f"nvmlDeviceGetHandleByIndex_v2({i})")
+            buf = ctypes.create_string_buffer(NVML_UUID_BUFFER)
+            check(nvml.nvmlDeviceGetUUID(device, buf, ctypes.c_uint(NVML_UUID_BUFFER)), f"nvmlDeviceGetUUID({i})")
+            uuids.append(buf.value.decode("ascii"))
         return tuple(uuids)
     finally:
-        pynvml.nvmlShutdown()
+        nvml.nvmlShutdown()
 
 
 def own_gpu_uuid(device) -> str:

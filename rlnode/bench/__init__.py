@@ -41,15 +41,28 @@ def run_bench(name: str, cfg: Config, args) -> int:
             print_table(res)
         return 0
     if name == "weights":
-        from rlnode.bench.weights import bench_weights, build_bench_model, print_table
+        from rlnode.bench.weights import backend_refusal, bench_config, bench_weights, build_bench_model, print_table
 
+        if not args.config:
+            cfg = bench_config(args.overrides)
+        if args.backend:
+            cfg.trainer.weights = msgspec.structs.replace(cfg.trainer.weights, backend=args.backend)
+        backend = cfg.trainer.weights.backend
+        # Refused before any model, engine or CUDA context exists.
+        if why := backend_refusal(backend, cfg.trainer.device, cfg.actor.engine):
+            what = f"--backend {backend}" if args.backend else f'trainer.weights.backend = "{backend}"'
+            print(f"rlnode bench weights: refusing {what}: {why}", file=sys.stderr)
+            return 2
         # Built once under the run directory and reused (no temp dirs left behind).
         models = f"{cfg.run.run_dir}/bench-models"
-        paths = [args.model] if args.model else [build_bench_model(size, f"{models}/{size}") for size in ("tiny", "100m")]
+        if args.model or args.config:
+            paths = [args.model or cfg.model.path]
+        else:
+            paths = [build_bench_model(size, f"{models}/{size}") for size in ("tiny", "100m")]
         results = {}
         for path in paths:
             log(f"weights: {path}")
-            results[path] = asyncio.run(bench_weights(path, log=log))
+            results[path] = asyncio.run(bench_weights(cfg, path, rounds=args.rounds, log=log))
         if args.json:
             print(msgspec.json.encode(results if len(results) > 1 else next(iter(results.values()))).decode())
         else:

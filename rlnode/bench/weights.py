@@ -1,14 +1,22 @@
 """``rlnode bench weights``: what an in-flight weight update costs, and
 whether the engine serves the new weights exactly afterwards.
 
+What users run: the engine from ``actor.engine`` and ``model``, the trainer
+(rank 0, a thread of this process) on ``trainer.device`` at
+``trainer.precision``, the transport from ``trainer.weights`` or
+``--backend`` (its "auto" decided as the trainer decides it). Without
+``--config``: the defaults, with a quick eager engine (``BENCH_DEFAULTS``).
+A backend this host cannot run is refused before anything starts
+(``backend_refusal``).
+
 One run, one model:
 
-  (a) rlnode: trainer (rank 0, a thread of this process) -> stateless gloo
-      group -> engine worker (receive into staging while generating, then
-      pause(keep) -> layerwise reload -> resume), with ``in_flight`` streaming
-      requests decoding across every update;
+  (a) rlnode: trainer -> stateless group -> engine worker (receive while
+      generating, then pause(keep) -> layerwise reload -> resume), with
+      ``in_flight`` streaming requests decoding across every update;
   (b) raw: the same buckets (same byte sizes, same count) broadcast over a
-      bare gloo group between two threads, no engine: the transport floor.
+      bare gloo group between two threads in CPU memory, no engine: the
+      floor of the CPU transport, a reference for the others.
 
 Reported: update_s (trainer starts -> engine resumed and trainer done),
 raw_broadcast_s, overhead_ratio = update_s / raw_broadcast_s,
@@ -16,7 +24,7 @@ generation_stall_s (pause requested -> resume returned in the engine), the
 largest gap between streamed tokens of the in-flight requests during the
 update (what a client actually saw) next to the usual gap, and
 max_abs_logprob_diff_after_update (engine vs transformers on the updated
-fp32 weights). Medians over ``rounds`` updates.
+weights). Medians over ``rounds`` updates.
 """
 
 from __future__ import annotations
@@ -31,20 +39,27 @@ from pathlib import Path
 
 import msgspec
 
-from rlnode.actor.engine import Engine, SamplingSettings
+from rlnode.actor.engine import Engine, SamplingSettings, engine_gpu_assignment, resolve_device
 from rlnode.actor.weight_receiver import (
     EXTENSION,
     apply_weight_update,
     engine_num_ranks,
     join_group,
 )
-from rlnode.config import EngineConfig, ModelConfig, WeightSyncConfig
+from rlnode.config import Config, EngineConfig, load_config
 from rlnode.rendezvous import new_secret
 from rlnode.trainer.weights import WeightBroadcaster, update_tensors
+from rlnode.weight_ipc import host_identity
 from rlnode.weight_plan import GroupMember, GroupSpec, WeightComm, WeightUpdatePlan, keep_stdout
 
 # (layers, hidden) of the models the benchmark can build for itself.
 BENCH_SIZES = {"tiny": (2, 128), "100m": (20, 768)}
+# Without --config: a quick eager engine, and a context long enough for the
+# requests that stream through the updates (--set still wins).
+BENCH_DEFAULTS = ["actor.engine.enforce_eager=true", "actor.engine.max_num_seqs=64", "model.max_model_len=4096"]
+# Tokens each in-flight request asks for (capped by the context): it must
+# still be decoding when the update is over.
+STREAM_TOKENS = 4000
 
 
 class WeightsBenchResult(msgspec.Struct):
@@ -63,6 +78,54 @@ class WeightsBenchResult(msgspec.Struct):
     usual_token_gap_s: float  # median gap between streamed tokens
     max_abs_logprob_diff_after_update: float
     rounds_update_s: list[float]
+    backend: str = ""  # the transport the updates took
+    backend_reason: str = ""  # why (configured, or what "auto" found)
+    trainer_device: str = ""
+    precision: str = ""  # trainer.precision
+    engine_device: str = ""
+
+
+def bench_config(overrides: list[str]) -> Config:
+    """The job to measure when no --config names one: the defaults with
+    ``BENCH_DEFAULTS``, then ``overrides`` (--set)."""
+    return load_config(None, [*BENCH_DEFAULTS, *overrides])
+
+
+def backend_refusal(backend: str, trainer_device: str, engine_cfg: EngineConfig) -> str:
+    """Why this host cannot run weight updates over ``backend`` between the
+    benchmark's trainer (this process, on ``trainer_device``) and its one
+    engine (engine 0 of ``engine_cfg``, on this host); "" when it can.
+    Initialises nothing: GPUs are counted through NVML."""
+    if backend not in ("nccl", "cuda_ipc"):
+        return ""
+    import torch
+
+    if not torch.cuda.is_available():
+        need = "a CUDA GPU and NCCL" if backend == "nccl" else "a CUDA GPU"
+        return (f"{backend} needs {need}; this host has no visible GPU (torch.cuda.is_available() is False); "
+                "use --backend gloo")
+    trainer = torch.device("cuda" if trainer_device == "auto" else trainer_device)
+    if trainer.type != "cuda" or resolve_device(engine_cfg.device) != "cuda":
+        return (f"{backend} needs the trainer and the engine on cuda (trainer.device = \"{trainer_device}\", "
+                f"actor.engine.device = \"{engine_cfg.device}\"); use --backend gloo")
+    try:
+        gpus = engine_gpu_assignment(engine_cfg, torch.cuda.device_count())[0]
+    except ValueError as e:
+        return str(e)
+    # Both counted among this process's visible GPUs; the engine's processes
+    # see exactly its own (actor.engine.cuda_env).
+    here = trainer.index or 0
+    if backend == "nccl":
+        if not torch.distributed.is_nccl_available():
+            return "nccl needs NCCL; this torch has none (torch.distributed.is_nccl_available() is False)"
+        if here in gpus:
+            return (f"NCCL refuses two ranks on one GPU: the trainer (cuda:{here}) and the engine (GPUs {gpus}) "
+                    "would share it; use --backend cuda_ipc, or give the engine another GPU "
+                    "(actor.engine.gpu_ids)")
+    elif here not in gpus:
+        return (f"cuda_ipc needs the trainer's GPU visible to the engine: the trainer is on cuda:{here}, the "
+                f"engine sees only GPUs {gpus} (actor.engine.gpu_ids); use --backend nccl")
+    return ""
 
 
 def build_bench_model(size: str, out_dir: str | None = None) -> str:
@@ -116,10 +179,11 @@ def raw_broadcast_s(plan: WeightUpdatePlan, repeats: int = 3) -> float:
     return statistics.median(times)
 
 
-async def _stream(engine: Engine, prompt: list[int], max_tokens: int, seed: int, stamps: list[float]) -> None:
+async def _stream(engine: Engine, prompt: list[int], seed: int, stamps: list[float]) -> None:
     """One in-flight request; appends the arrival time of every token."""
     from vllm.sampling_params import RequestOutputKind
 
+    max_tokens = min(STREAM_TOKENS, engine.model_cfg.max_model_len - len(prompt) - 1)
     params = engine.sampling_params(SamplingSettings(max_tokens=max_tokens, seed=seed, ignore_eos=True))
     params.output_kind = RequestOutputKind.DELTA
     rid = f"bench-weights-{seed}-{time.monotonic_ns()}"
@@ -148,7 +212,7 @@ async def _one_update(engine, bc, hf, version, prompts, warm_s: float):
         for p in hf.parameters():
             p.add_(torch.randn_like(p) * 0.02)
     stamps: list[list[float]] = [[] for _ in prompts]
-    streams = [asyncio.create_task(_stream(engine, p, 4000, i, s)) for i, (p, s) in enumerate(zip(prompts, stamps))]
+    streams = [asyncio.create_task(_stream(engine, p, i, s)) for i, (p, s) in enumerate(zip(prompts, stamps))]
     try:
         await asyncio.sleep(warm_s)
         tensors = update_tensors(hf)
@@ -174,37 +238,47 @@ async def _logprob_diff(engine: Engine, hf, prompts: list[list[int]]) -> float:
 
     outs = await asyncio.gather(*(engine.generate(p, SamplingSettings(max_tokens=16, seed=i, ignore_eos=True))
                                   for i, p in enumerate(prompts)))
+    device = next(hf.parameters()).device
     worst = 0.0
     for p, c in zip(prompts, outs):
-        ids = torch.tensor([p + c.token_ids])
+        ids = torch.tensor([p + c.token_ids], device=device)
         with torch.no_grad():
-            logits = hf(ids).logits[0, len(p) - 1 : -1].float()
+            logits = hf(ids).logits[0, len(p) - 1 : -1].float().cpu()
         ref = torch.log_softmax(logits, -1).gather(1, torch.tensor(c.token_ids)[:, None])[:, 0]
         worst = max(worst, (ref - torch.tensor(c.logprobs)).abs().max().item())
     return worst
 
 
-async def bench_weights(model_path: str, *, engine_cfg: EngineConfig | None = None,
-                        sync_cfg: WeightSyncConfig | None = None, rounds: int = 5, in_flight: int = 8,
+async def bench_weights(cfg: Config, model_path: str, *, rounds: int = 5, in_flight: int = 8,
                         warm_s: float = 0.5, log=print) -> WeightsBenchResult:
-    """Run ``rounds`` in-flight updates of ``model_path`` on a fresh engine."""
+    """Run ``rounds`` in-flight updates of ``model_path`` on one fresh
+    engine, set up as ``cfg`` sets up a job (module docstring)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    engine_cfg = engine_cfg or EngineConfig(device="cpu", enforce_eager=True, max_num_seqs=64)
-    sync_cfg = sync_cfg or WeightSyncConfig(backend="gloo", base_port=random.randrange(30000, 60000))
-    hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    from rlnode.trainer.learner import PARAM_DTYPE, resolve_trainer_device
+
+    t = cfg.trainer
+    model_cfg = msgspec.structs.replace(cfg.model, path=model_path)
+    device = resolve_trainer_device(t.device)
+    # Loaded on the CPU, moved once the engine runs: its processes start
+    # before this one initialises CUDA (DESIGN §10).
+    hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=PARAM_DTYPE[t.precision]).eval()
     params = sum(p.numel() for _, p in update_tensors(hf))
     log(f"model {model_path}: {params / 1e6:.1f}M parameters; starting the engine")
-    engine = Engine(0, ModelConfig(path=model_path, max_model_len=4096), engine_cfg, worker_extension_cls=EXTENSION)
+    engine = Engine(0, model_cfg, cfg.actor.engine, worker_extension_cls=EXTENSION)
     await engine.start()
-    bc = WeightBroadcaster(sync_cfg, master_host="127.0.0.1", timeout_s=120)
+    bc = None
     try:
-        spec = bc.new_epoch([("bench/0", engine_num_ranks(engine))])
+        hf.to(device)
+        bc = WeightBroadcaster(t.weights, master_host="127.0.0.1", device=str(device), timeout_s=t.weights.timeout_s)
+        spec = bc.new_epoch([("bench/0", engine_num_ranks(engine), host_identity(), engine.visible_gpus)])
+        log(f"weights over {spec.backend} ({bc.backend_reason}); trainer on {device} ({t.precision}), "
+            f"engine on {engine.device}")
         await asyncio.gather(bc.open_group_async(spec), join_group(engine, spec, first_rank=1))
         rng = random.Random(0)
         prompts = [[rng.randrange(40, 200) for _ in range(32)] for _ in range(in_flight)]
-        # Warm-up: first batches of a new size build CPU kernels (seconds),
+        # Warm-up: first batches of a new size build kernels (seconds),
         # which would otherwise land inside the first timed update.
         await asyncio.gather(*(engine.generate(p, SamplingSettings(max_tokens=64, seed=i, ignore_eos=True))
                                for i, p in enumerate(prompts)))
@@ -214,7 +288,8 @@ async def bench_weights(model_path: str, *, engine_cfg: EngineConfig | None = No
             log(f"update {version}: {runs[-1][0]:.3f} s (stall {runs[-1][1].stalled_s:.3f} s)")
         diff = await _logprob_diff(engine, hf, prompts[:4])
     finally:
-        bc.close_group()
+        if bc is not None:
+            bc.close_group()
         await engine.shutdown()
     plan = runs[-1][2]
     raw = raw_broadcast_s(plan)
@@ -229,18 +304,22 @@ async def bench_weights(model_path: str, *, engine_cfg: EngineConfig | None = No
         receive_s=med("receive_s"), load_s=med("load_s"), generation_stall_s=med("stalled_s"),
         max_token_gap_s=statistics.median(r[3] for r in runs),
         usual_token_gap_s=statistics.median([g for r in runs for g in r[4]] or [0.0]),
-        max_abs_logprob_diff_after_update=diff, rounds_update_s=[round(r[0], 4) for r in runs])
+        max_abs_logprob_diff_after_update=diff, rounds_update_s=[round(r[0], 4) for r in runs],
+        backend=spec.backend, backend_reason=bc.backend_reason, trainer_device=str(device),
+        precision=t.precision, engine_device=engine.device)
 
 
 def print_table(res: WeightsBenchResult) -> None:
     print(f"\nweight update benchmark: {res.model}")
+    print(f"  over {res.backend} ({res.backend_reason}); trainer on {res.trainer_device} ({res.precision}), "
+          f"engine on {res.engine_device}")
     print(f"  {res.params / 1e6:.1f}M params, {res.nbytes / 2**20:.1f} MiB in {res.buckets} bucket(s), "
           f"median of {res.rounds} updates with requests in flight")
     rows = [
         ("update (trainer -> engine resumed)", res.update_s),
         ("  engine: receive into staging", res.receive_s),
         ("  engine: load while paused", res.load_s),
-        ("raw gloo broadcast, same buckets", res.raw_broadcast_s),
+        ("raw gloo broadcast (CPU), same buckets", res.raw_broadcast_s),
         ("generation stall (pause -> resume)", res.generation_stall_s),
         ("max token gap during update", res.max_token_gap_s),
         ("usual token gap", res.usual_token_gap_s),
@@ -256,4 +335,4 @@ if __name__ == "__main__":  # python -m rlnode.bench.weights [tiny|100m|PATH ...
 
     for arg in sys.argv[1:] or ["tiny", "100m"]:
         path = build_bench_model(arg) if arg in BENCH_SIZES else arg
-        print_table(asyncio.run(bench_weights(path)))
+        print_table(asyncio.run(bench_weights(bench_config([]), path)))

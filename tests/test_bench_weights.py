@@ -1,0 +1,75 @@
+"""`rlnode bench weights` measures the configured job: its backend, trainer
+device and precision; a backend this host cannot run is refused at once,
+before any model, engine or CUDA context exists."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlnode.bench.weights import backend_refusal
+from rlnode.config import EngineConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+NO_GPU = ("nccl needs a CUDA GPU and NCCL; this host has no visible GPU (torch.cuda.is_available() is False); "
+          "use --backend gloo")
+
+
+def _bench(*args: str, timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "rlnode", "bench", "weights", *args], capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, "VLLM_CONFIGURE_LOGGING": "0"})
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this host has a GPU")
+def test_nccl_on_a_cpu_host_is_refused_at_once(tmp_path):
+    t0 = time.monotonic()
+    r = _bench("--backend", "nccl", "--set", f"run.run_dir={tmp_path}", timeout=60)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines()[-1] == f"rlnode bench weights: refusing --backend nccl: {NO_GPU}"
+    assert time.monotonic() - t0 < 30
+    assert not any(tmp_path.iterdir())  # no model was built
+    r = _bench("--config", str(ROOT / "conf/demo.toml"), "--set", 'trainer.weights.backend="cuda_ipc"', timeout=60)
+    assert r.returncode == 2 and 'refusing trainer.weights.backend = "cuda_ipc": cuda_ipc needs a CUDA GPU;' in r.stderr
+
+
+def test_refusals_on_a_two_gpu_host(monkeypatch):
+    """The rules, on a faked host with two GPUs (counted without CUDA)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: True)
+    on = lambda *gpus: EngineConfig(device="cuda", gpu_ids=list(gpus))  # noqa: E731
+    assert backend_refusal("nccl", "cuda:0", on(1)) == ""
+    assert backend_refusal("nccl", "cuda", on(0)) == (
+        "NCCL refuses two ranks on one GPU: the trainer (cuda:0) and the engine (GPUs [0]) would share it; "
+        "use --backend cuda_ipc, or give the engine another GPU (actor.engine.gpu_ids)")
+    assert backend_refusal("cuda_ipc", "auto", on(0)) == ""
+    assert backend_refusal("cuda_ipc", "cuda:1", on(0)) == (
+        "cuda_ipc needs the trainer's GPU visible to the engine: the trainer is on cuda:1, the engine sees only "
+        "GPUs [0] (actor.engine.gpu_ids); use --backend nccl")
+    assert backend_refusal("cuda_ipc", "cpu", on(0)).startswith(
+        'cuda_ipc needs the trainer and the engine on cuda (trainer.device = "cpu", actor.engine.device = "cuda")')
+    assert "not among the 2 visible GPUs" in backend_refusal("nccl", "cuda:0", on(5))
+    assert backend_refusal("gloo", "cpu", EngineConfig(device="cpu")) == ""
+    monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: False)
+    assert "this torch has none" in backend_refusal("nccl", "cuda:0", on(1))
+
+
+@pytest.mark.engine
+def test_bench_weights_runs_the_configured_job(tiny_model_dir, tmp_path):
+    """The demo's job (CPU trainer in fp32, CPU engine) with the tiny model:
+    one update over gloo, exact on the updated weights."""
+    r = _bench("--config", str(ROOT / "conf/demo.toml"), "--model", str(tiny_model_dir),
+               "--set", f"run.run_dir={tmp_path}", "--backend", "gloo", "--rounds", "1", "--json", timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout)
+    assert (res["backend"], res["backend_reason"]) == ("gloo", "weight_sync.backend = gloo")
+    assert (res["trainer_device"], res["precision"], res["engine_device"]) == ("cpu", "fp32", "cpu")
+    assert res["rounds"] == 1 and res["buckets"] >= 1 and res["update_s"] > 0
+    assert res["max_abs_logprob_diff_after_update"] < 1e-3
