@@ -95,7 +95,8 @@ def backend_refusal(backend: str, trainer_device: str, engine_cfg: EngineConfig)
     """Why this host cannot run weight updates over ``backend`` between the
     benchmark's trainer (this process, on ``trainer_device``) and its one
     engine (engine 0 of ``engine_cfg``, on this host); "" when it can.
-    Initialises nothing: GPUs are counted through NVML."""
+    Starts nothing and creates no CUDA context (GPUs are counted through
+    NVML), so the engine can still start after it."""
     if backend not in ("nccl", "cuda_ipc"):
         return ""
     import torch
