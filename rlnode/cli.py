@@ -96,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the role this machine will run (default all)")
     ck.add_argument("--gpus", type=int, metavar="N",
                     help="assume N visible GPUs instead of counting them (check a config for another machine)")
+    ck.add_argument("--gpu-gib", type=float, metavar="GIB",
+                    help="memory per GPU for the trainer memory plan (default: this machine's first GPU)")
     ck.add_argument("--peers", dest="check_peers", default="", metavar="HOST:PORT,...",
                     help="actor: trainer address(es), as given to the daemon")
     ck.add_argument("--json", action="store_true", help="print the findings as JSON")
@@ -184,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg.actor.peers = [p.strip() for p in args.check_peers.split(",") if p.strip()]
         from rlnode.ops.check import main_check
 
-        return main_check(cfg, args.check_role, args.json, args.gpus)
+        return main_check(cfg, args.check_role, args.json, args.gpus, args.gpu_gib)
     if args.command == "bench":
         cfg = _load(args)
         from rlnode.bench import run_bench

@@ -114,8 +114,9 @@ def test_one_gpu_for_trainer_and_engine(tiny_model_dir, tmp_path):
     assert any("NCCL refuses two ranks" in f.detail for f in _failed(findings, "weights"))
     assert any(f.level == WARN and "gpu_memory_utilization" in f.detail for f in findings)
     cfg = load_config(DEMO, sets + ["actor.engine.gpu_memory_utilization=0.4"])
-    findings = run_checks(cfg, "all", gpus=1)
+    findings = run_checks(cfg, "all", gpus=1, gpu_gib=80)
     assert not _failed(findings) and not [f for f in findings if f.level == WARN]
+    assert any(f.what == "memory" and "fits in 48.0 GiB free" in f.detail for f in findings)
 
 
 def test_cube_data_files_must_exist(tiny_model_dir, tmp_path):
@@ -196,3 +197,67 @@ def test_cli_prints_the_stack_lines_and_fails_on_nccl(tiny_model_dir, tmp_path):
     report = json.loads(out.stdout)
     by = {f["what"]: f for f in report["findings"]}
     assert by["vllm"]["level"] == OK and by["nccl"]["level"] == FAIL
+
+
+QWEN3_4B_CONFIG = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=151936, head_dim=128,
+                       num_key_value_heads=8, tie_word_embeddings=True, hidden_size=2560, num_hidden_layers=36,
+                       intermediate_size=9728, num_attention_heads=32, max_position_embeddings=40960)
+
+
+def test_the_memory_plan_refuses_4b_with_foreach_adamw_on_80gb(tmp_path):
+    """Issue 19 item 5 through `rlnode check`: config.json alone (no weights)."""
+    from rlnode.ops.stack import check_memory
+
+    model = tmp_path / "qwen3-4b"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(QWEN3_4B_CONFIG))
+    sets = [f"model.path={json.dumps(str(model))}", "model.max_model_len=2048", "actor.sampling.max_tokens=1536",
+            'trainer.device="cuda"', 'trainer.precision="bf16-mixed"', "trainer.micro_batch_tokens=2048",
+            "trainer.activation_checkpointing=true", "trainer.parallel.ranks=1"]
+    foreach = load_config(DEMO, [*sets, 'trainer.optim.adamw_impl="foreach"'])
+    (f,) = check_memory(foreach, "trainer", 1, gpu_bytes=79 * 2**30)
+    assert f.level == FAIL and "does NOT fit in 79.0 GiB" in f.detail and 'adamw_impl = "fused"' in f.detail
+    fused = load_config(DEMO, [*sets, 'trainer.optim.adamw_impl="fused"'])
+    (f,) = check_memory(fused, "trainer", 1, gpu_bytes=79 * 2**30)
+    assert f.level == OK and "fits in 79.0 GiB" in f.detail
+    # --role all on one GPU: the engine's share comes off first.
+    shared = load_config(DEMO, [*sets, 'trainer.optim.adamw_impl="fused"', 'actor.engine.device="cuda"'])
+    (f,) = check_memory(shared, "all", 1, gpu_bytes=79 * 2**30)
+    assert f.level == FAIL and "the engine takes 0.85 of this GPU" in f.detail
+    # For another machine without --gpu-gib: said, not guessed.
+    (f,) = check_memory(fused, "trainer", 8, here=False)
+    assert f.level == WARN and "--gpu-gib" in f.detail
+    assert check_memory(load_config(DEMO, sets[:1]), "trainer", 0) == []  # a cpu trainer is not planned
+
+
+def test_ipc_needs_the_trainers_gpu_visible_to_every_engine(tiny_model_dir, tmp_path, monkeypatch):
+    """Issue 19 item 3 through `rlnode check`: GPUs matched by UUID (NVML faked)."""
+    from rlnode.ops.stack import check_ipc
+
+    physical = ("GPU-aaaa", "GPU-bbbb")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    base = _sets(tiny_model_dir, tmp_path, 'trainer.device="cuda"', 'actor.engine.device="cuda"')
+    shared = load_config(DEMO, base)
+    (f,) = check_ipc(shared, "all", 2, physical)
+    assert f.level == OK and "weights by CUDA IPC" in f.detail and "GPU-aaaa" in f.detail
+    apart = load_config(DEMO, [*base, "actor.engine.gpu_ids=[1]"])
+    (f,) = check_ipc(apart, "all", 2, physical)
+    assert f.level == OK and "engine(s) [0] do not see the trainer's GPU GPU-aaaa" in f.detail and "NCCL" in f.detail
+    forced = load_config(DEMO, [*base, "actor.engine.gpu_ids=[1]", 'trainer.weights.backend="cuda_ipc"'])
+    (f,) = check_ipc(forced, "all", 2, physical)
+    assert f.level == FAIL and 'backend = "cuda_ipc"' in f.detail
+    # The daemon's own CUDA_VISIBLE_DEVICES maps the engine's index 0 to GPU-bbbb.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,0")
+    (f,) = check_ipc(shared, "all", 2, physical)
+    assert f.level == OK and "GPU-bbbb" in f.detail
+    assert check_ipc(shared, "trainer", 2, physical) == []  # engines elsewhere: nothing to say here
+
+
+def test_the_attention_line_says_what_a_cuda_trainer_gets(tiny_model_dir, tmp_path):
+    from rlnode.ops.stack import check_attention
+
+    cfg = load_config(DEMO, _sets(tiny_model_dir, tmp_path, 'trainer.device="cuda"', 'trainer.precision="bf16-mixed"'))
+    (f,) = check_attention(cfg, "trainer", 1)  # flash_attn is not installed here
+    assert f.level == WARN and "sdpa (flash_attn is not installed)" in f.detail and "no mask" in f.detail
+    fp32 = load_config(DEMO, _sets(tiny_model_dir, tmp_path, 'trainer.device="cuda"'))
+    assert check_attention(fp32, "trainer", 1)[0].level == OK

@@ -286,7 +286,8 @@ def check_exposure(cfg: Config, role: str) -> list[Finding]:
     return out
 
 
-def run_checks(cfg: Config, role: str = "all", gpus: int | None = None, stack: bool = True) -> list[Finding]:
+def run_checks(cfg: Config, role: str = "all", gpus: int | None = None, stack: bool = True,
+               gpu_gib: float | None = None) -> list[Finding]:
     """Every finding for ``role`` on this machine (``gpus``: override the
     visible GPU count, for tests and for checking a config for another box;
     ``stack``: also the software stack, ``ops/stack.py``)."""
@@ -299,12 +300,12 @@ def run_checks(cfg: Config, role: str = "all", gpus: int | None = None, stack: b
     if stack:
         from rlnode.ops.stack import check_stack
 
-        findings += check_stack(cfg, role, gpus, here)
+        findings += check_stack(cfg, role, gpus, here, None if gpu_gib is None else int(gpu_gib * 2**30))
     return findings
 
 
-def main_check(cfg: Config, role: str, as_json: bool, gpus: int | None = None) -> int:
-    findings = run_checks(cfg, role, gpus)
+def main_check(cfg: Config, role: str, as_json: bool, gpus: int | None = None, gpu_gib: float | None = None) -> int:
+    findings = run_checks(cfg, role, gpus, gpu_gib=gpu_gib)
     failed = [f for f in findings if f.level == FAIL]
     if as_json:
         print(json.dumps({"ok": not failed, "role": role,

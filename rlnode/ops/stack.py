@@ -4,8 +4,10 @@ What the first GPU contact broke before (issue 19), each turned into a
 check that runs in seconds, before any engine starts:
 
     ok    vllm      vllm 0.26.0 (in vllm>=0.26,<0.33): 31 uses of its API, all present
-    FAIL  nccl      the trainer and the engines need NCCL (weights over nccl); libnccl not loadable: ...
+    FAIL  nccl      trainer.weights.backend = "nccl" needs NCCL, which does not load here: ...
     FAIL  guard     rlnode's engine guard is not registered with vLLM ...
+    ok    ipc       every engine sees the trainer's GPU GPU-8f3a...: weights by CUDA IPC
+    FAIL  memory    trainer memory plan: qwen3 4.02B, 1 rank(s), bf16-mixed, foreach AdamW ... does NOT fit ...
 
 Owns: these findings. Must not start engines, initialise CUDA in a way a
 later fork would trip on (NVML and ``dlopen`` only), or write anything.
@@ -13,6 +15,7 @@ later fork would trip on (NVML and ``dlopen`` only), or write anything.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from rlnode.config import Config
@@ -103,7 +106,106 @@ def _load_nccl() -> str:
     return NCCLLibrary().ncclGetVersion()
 
 
-def check_stack(cfg: Config, role: str, gpus: int, here: bool = True) -> list[Finding]:
+def _cuda(cfg: Config, gpus: int) -> tuple[bool, bool]:
+    t, e = cfg.trainer, cfg.actor.engine
+    return (t.device == "cuda" or (t.device == "auto" and gpus > 0),
+            e.device == "cuda" or (e.device == "auto" and gpus > 0))
+
+
+def check_ipc(cfg: Config, role: str, gpus: int, physical: tuple[str, ...] | None = None) -> list[Finding]:
+    """``--role all`` on CUDA: can each engine open the trainer's GPU memory
+    (CUDA IPC needs the trainer's GPU among the engine process's visible
+    ones, matched by UUID), hence which transport "auto" will pick.
+    ``physical``: every GPU's UUID in NVML order (default: read from NVML)."""
+    from rlnode import weight_ipc
+    from rlnode.actor.engine import cuda_env, engine_gpu_assignment
+
+    trainer_cuda, engine_cuda = _cuda(cfg, gpus)
+    backend = cfg.trainer.weights.backend
+    if role != "all" or not (trainer_cuda and engine_cuda) or backend in ("gloo", "nccl"):
+        return []
+    try:
+        physical = weight_ipc.nvml_gpu_uuids() if physical is None else physical
+    except Exception as e:  # noqa: BLE001 - no driver: said, not fatal here (gpus already failed)
+        return [Finding(WARN, "ipc", f"cannot read the GPUs' UUIDs through NVML ({e}): the trainer will send "
+                        "weights over NCCL unless every engine reports the trainer's GPU")]
+    visible = weight_ipc.visible_gpus(os.environ.get("CUDA_VISIBLE_DEVICES"), physical)
+    if not visible:
+        return [Finding(FAIL, "ipc", "CUDA_VISIBLE_DEVICES names no GPU NVML knows")]
+    trainer_gpu = visible[0]  # the trainer's rank 0 takes the first visible GPU
+    try:
+        slices = engine_gpu_assignment(cfg.actor.engine, len(visible))
+    except ValueError:
+        return []  # check_devices reported it
+    blind = []
+    for i, s in enumerate(slices):
+        seen = weight_ipc.visible_gpus(cuda_env(s)["CUDA_VISIBLE_DEVICES"], physical)
+        if not weight_ipc.sees_gpu(seen, trainer_gpu):
+            blind.append(i)
+    if not blind:
+        return [Finding(OK, "ipc", f"every engine sees the trainer's GPU {trainer_gpu}: weights by CUDA IPC")]
+    if backend == "cuda_ipc":
+        return [Finding(FAIL, "ipc", f'trainer.weights.backend = "cuda_ipc" but engine(s) {blind} do not see the '
+                        f"trainer's GPU {trainer_gpu} (their CUDA_VISIBLE_DEVICES hide it): use \"auto\" (NCCL "
+                        "for them) or put the engines on the trainer's GPU")]
+    return [Finding(OK, "ipc", f"engine(s) {blind} do not see the trainer's GPU {trainer_gpu}: \"auto\" sends "
+                    "them weights over NCCL")]
+
+
+def check_memory(cfg: Config, role: str, gpus: int, here: bool = True,
+                 gpu_bytes: int | None = None) -> list[Finding]:
+    """The trainer's memory plan (``trainer/memory_plan.py``) against one GPU:
+    ``gpu_bytes`` (``--gpu-gib``) or this machine's first visible GPU. With
+    ``--role all`` on a shared GPU the engine's ``gpu_memory_utilization``
+    share is taken off first."""
+    from rlnode.trainer.memory_plan import UnsupportedModel, plan_for_config
+
+    trainer_cuda, engine_cuda = _cuda(cfg, gpus)
+    if role not in ("trainer", "all") or not trainer_cuda:
+        return []
+    if gpu_bytes is None:
+        if not here or gpus == 0:
+            return [Finding(WARN, "memory", "trainer memory plan not checked: give --gpu-gib (memory per GPU)")]
+        import torch
+
+        gpu_bytes = torch.cuda.get_device_properties(0).total_memory
+    room, note = gpu_bytes, ""
+    e = cfg.actor.engine
+    if role == "all" and engine_cuda and 0 in (list(e.gpu_ids) or [0]):
+        room = int(gpu_bytes * (1 - e.gpu_memory_utilization))
+        note = f" (the engine takes {e.gpu_memory_utilization:g} of this GPU)"
+    ranks = cfg.trainer.parallel.ranks or max(1, gpus)
+    try:
+        plan = plan_for_config(cfg, room, ranks=ranks)
+    except (UnsupportedModel, OSError, ValueError) as err:
+        return [Finding(WARN, "memory", f"trainer memory plan not computed: {err}")]
+    level = {"fits": OK, "may_not_fit": WARN, "does_not_fit": FAIL}[plan.verdict]
+    return [Finding(level, "memory", plan.describe() + note)]
+
+
+def check_attention(cfg: Config, role: str, gpus: int) -> list[Finding]:
+    """Which attention kernel a cuda trainer gets (``trainer.attention``)."""
+    import importlib.util
+
+    trainer_cuda, _ = _cuda(cfg, gpus)
+    t = cfg.trainer
+    if role not in ("trainer", "all") or not trainer_cuda or t.attention in ("sdpa", "eager"):
+        return []
+    has_fa = importlib.util.find_spec("flash_attn") is not None
+    low = t.precision in ("bf16", "bf16-mixed")
+    if t.attention == "flash_attention_2" and not has_fa:
+        return [Finding(FAIL, "attention", 'trainer.attention = "flash_attention_2" but flash_attn is not installed '
+                        "(no PyPI wheels: build it for this torch/CUDA, or use \"auto\")")]
+    if has_fa and low:
+        return [Finding(OK, "attention", "flash_attention_2: micro-batches packed into varlen rows")]
+    why = "flash_attn is not installed" if not has_fa else f'trainer.precision = "{t.precision}" computes in fp32'
+    return [Finding(OK if not low else WARN, "attention",
+                    f"sdpa ({why}): micro-batches of right-padded rows bucketed by length, no mask"
+                    + ("; install flash-attn for varlen packing" if low and not has_fa else ""))]
+
+
+def check_stack(cfg: Config, role: str, gpus: int, here: bool = True,
+                gpu_bytes: int | None = None) -> list[Finding]:
     """``here``: the GPUs are this machine's (False: ``--gpus N`` describes
     another machine, whose libraries this one cannot load for it)."""
     out = check_vllm()
@@ -114,7 +216,12 @@ def check_stack(cfg: Config, role: str, gpus: int, here: bool = True) -> list[Fi
     elif nccl_needed(cfg, role, gpus):
         out.append(Finding(WARN, "nccl", f"{nccl_needed(cfg, role, gpus)} needs NCCL: not loaded here "
                            "(--gpus describes another machine; run `rlnode check` there)"))
+    if here:
+        out += check_ipc(cfg, role, gpus)
+    out += check_attention(cfg, role, gpus)
+    out += check_memory(cfg, role, gpus, here, gpu_bytes)
     return out
 
 
-__all__ = ["FAIL", "OK", "WARN", "check_guard", "check_nccl", "check_stack", "check_vllm", "nccl_needed"]
+__all__ = ["FAIL", "OK", "WARN", "check_attention", "check_guard", "check_ipc", "check_memory", "check_nccl",
+           "check_stack", "check_vllm", "nccl_needed"]
