@@ -222,13 +222,18 @@ async def test_fp32_lm_head_brings_a_bf16_engine_closer_to_an_fp32_head(tmp_path
         await prepare_engine(engine)
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
         rng = random.Random(2)
-        prompts = [[rng.randrange(40, 200) for _ in range(60)] for _ in range(4)]
+        prompts = [[rng.randrange(40, 200) for _ in range(60)] for _ in range(16)]
 
+        # The mean over 384 tokens, not the max: both engines differ from
+        # transformers' bf16 body by ~1e-3 per token (bf16 kernels differ),
+        # and the largest single gap is that body noise (4 prompts' max was
+        # 3.4e-3 with the fp32 head vs 2.6e-3 without under transformers
+        # 5.19, the head's share being smaller than one token's noise).
         async def diff() -> float:
             outs = await asyncio.gather(*(engine.generate(p, SamplingSettings(max_tokens=24, seed=i, ignore_eos=True))
                                           for i, p in enumerate(prompts)))
-            return max((_fp32_head_reference(hf, p, c.token_ids) - torch.tensor(c.logprobs)).abs().max().item()
-                       for p, c in zip(prompts, outs))
+            return torch.cat([(_fp32_head_reference(hf, p, c.token_ids) - torch.tensor(c.logprobs)).abs()
+                              for p, c in zip(prompts, outs)]).mean().item()
 
         with_fp32 = await diff()
         assert await _rpc(engine, "rlnode_fp32_lm_head", False) == [False]
