@@ -73,3 +73,4 @@ def test_bench_weights_runs_the_configured_job(tiny_model_dir, tmp_path):
     assert (res["trainer_device"], res["precision"], res["engine_device"]) == ("cpu", "fp32", "cpu")
     assert res["rounds"] == 1 and res["buckets"] >= 1 and res["update_s"] > 0
     assert res["max_abs_logprob_diff_after_update"] < 1e-3
+    assert 0 <= res["max_abs_logprob_diff_before_update"] < 1e-3

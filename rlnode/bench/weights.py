@@ -23,8 +23,9 @@ raw_broadcast_s, overhead_ratio = update_s / raw_broadcast_s,
 generation_stall_s (pause requested -> resume returned in the engine), the
 largest gap between streamed tokens of the in-flight requests during the
 update (what a client actually saw) next to the usual gap, and
-max_abs_logprob_diff_after_update (engine vs transformers on the updated
-weights). Medians over ``rounds`` updates.
+max_abs_logprob_diff_before_update / _after_update (engine vs transformers
+on the weights read from disk, then on the updated weights). Medians over
+``rounds`` updates.
 """
 
 from __future__ import annotations
@@ -83,6 +84,9 @@ class WeightsBenchResult(msgspec.Struct):
     trainer_device: str = ""
     precision: str = ""  # trainer.precision
     engine_device: str = ""
+    # Engine vs transformers on the weights both loaded from disk: the floor
+    # the update must not raise (on CUDA, kernel differences; DESIGN §10).
+    max_abs_logprob_diff_before_update: float = -1.0
 
 
 def bench_config(overrides: list[str]) -> Config:
@@ -283,6 +287,7 @@ async def bench_weights(cfg: Config, model_path: str, *, rounds: int = 5, in_fli
         # which would otherwise land inside the first timed update.
         await asyncio.gather(*(engine.generate(p, SamplingSettings(max_tokens=64, seed=i, ignore_eos=True))
                                for i, p in enumerate(prompts)))
+        before = await _logprob_diff(engine, hf, prompts[:4])
         runs = []
         for version in range(1, rounds + 1):
             runs.append(await _one_update(engine, bc, hf, version, prompts, warm_s))
@@ -307,7 +312,7 @@ async def bench_weights(cfg: Config, model_path: str, *, rounds: int = 5, in_fli
         usual_token_gap_s=statistics.median([g for r in runs for g in r[4]] or [0.0]),
         max_abs_logprob_diff_after_update=diff, rounds_update_s=[round(r[0], 4) for r in runs],
         backend=spec.backend, backend_reason=bc.backend_reason, trainer_device=str(device),
-        precision=t.precision, engine_device=engine.device)
+        precision=t.precision, engine_device=engine.device, max_abs_logprob_diff_before_update=before)
 
 
 def print_table(res: WeightsBenchResult) -> None:
@@ -328,7 +333,8 @@ def print_table(res: WeightsBenchResult) -> None:
     for name, value in rows:
         print(f"  {name:<38}{value:>10.4f} s")
     print(f"  overhead_ratio = {res.overhead_ratio:.2f}   "
-          f"max |logprob engine - transformers| after update = {res.max_abs_logprob_diff_after_update:.2e}")
+          f"max |logprob engine - transformers| before update = {res.max_abs_logprob_diff_before_update:.2e}, "
+          f"after = {res.max_abs_logprob_diff_after_update:.2e}")
 
 
 if __name__ == "__main__":  # python -m rlnode.bench.weights [tiny|100m|PATH ...]
