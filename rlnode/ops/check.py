@@ -30,6 +30,7 @@ from pathlib import Path
 from rlnode.config import Config
 from rlnode.link.curve import is_loopback as literal_loopback
 from rlnode.ops.findings import FAIL, OK, WARN, Finding
+from rlnode.ops.stack import check_stack, cuda_roles
 
 
 
@@ -128,8 +129,7 @@ def _engine_gpus(cfg: Config) -> int:
 def check_devices(cfg: Config, role: str, gpus: int) -> list[Finding]:
     out: list[Finding] = []
     e, t = cfg.actor.engine, cfg.trainer
-    engine_cuda = e.device == "cuda" or (e.device == "auto" and gpus > 0)
-    trainer_cuda = t.device == "cuda" or (t.device == "auto" and gpus > 0)
+    trainer_cuda, engine_cuda = cuda_roles(cfg, gpus)
     if role in ("actor", "all"):
         if e.device == "cuda" and gpus == 0:
             out.append(Finding(FAIL, "gpus", "actor.engine.device = \"cuda\" but this machine has no visible GPU"))
@@ -298,8 +298,6 @@ def run_checks(cfg: Config, role: str = "all", gpus: int | None = None, stack: b
     findings += check_network(cfg, role)
     findings += check_files(cfg, role)
     if stack:
-        from rlnode.ops.stack import check_stack
-
         findings += check_stack(cfg, role, gpus, here, None if gpu_gib is None else int(gpu_gib * 2**30))
     return findings
 

@@ -47,7 +47,7 @@ def check_vllm() -> list[Finding]:
         snap = snapshot_release(str(site), uses)
         snap["vllm"] = version  # the dist-info found beside it may be another vllm*'s
         problems = violations(uses, snap)
-        detected = vllm_compat.detect(vllm_compat.live_snapshot())
+        detected = vllm_compat.api()
     except vllm_compat.UnsupportedVLLM as e:
         return [Finding(FAIL, "vllm", str(e))]
     except Exception as e:  # a broken install: say so rather than crash the check
@@ -69,11 +69,20 @@ def check_guard() -> list[Finding]:
     return [Finding(OK, "guard", "engine guard registered as a vLLM plugin (engines end with their daemon)")]
 
 
+def cuda_roles(cfg: Config, gpus: int) -> tuple[bool, bool]:
+    """(trainer on cuda, engines on cuda) on a machine with ``gpus`` visible
+    GPUs: "auto" means cuda when there is one."""
+    t, e = cfg.trainer, cfg.actor.engine
+    return (t.device == "cuda" or (t.device == "auto" and gpus > 0),
+            e.device == "cuda" or (e.device == "auto" and gpus > 0))
+
+
 def nccl_needed(cfg: Config, role: str, gpus: int) -> str:
     """Why this role needs NCCL on this machine ('' when it does not)."""
     t, e = cfg.trainer, cfg.actor.engine
-    trainer_cuda = role in ("trainer", "all") and (t.device == "cuda" or (t.device == "auto" and gpus > 0))
-    engine_cuda = role in ("actor", "all") and (e.device == "cuda" or (e.device == "auto" and gpus > 0))
+    trainer_cuda, engine_cuda = cuda_roles(cfg, gpus)
+    trainer_cuda &= role in ("trainer", "all")
+    engine_cuda &= role in ("actor", "all")
     if cfg.trainer.weights.backend == "nccl" and (trainer_cuda or engine_cuda):
         return "trainer.weights.backend = \"nccl\""
     if cfg.trainer.weights.backend == "auto" and (trainer_cuda or engine_cuda) and role != "all":
@@ -93,23 +102,18 @@ def check_nccl(cfg: Config, role: str, gpus: int, load=None) -> list[Finding]:
     if not why:
         return [Finding(OK, "nccl", "not needed here (no cuda collective for this role)")]
     try:
-        version = (load or _load_nccl)()
+        version = (load or nccl_version)()
     except Exception as e:
         return [Finding(FAIL, "nccl", f"{why} needs NCCL, which does not load here: {e} "
                         "(install the nvidia-nccl-cu* wheel that vLLM's torch pins, or set VLLM_NCCL_SO_PATH)")]
     return [Finding(OK, "nccl", f"NCCL {version} loads ({why})")]
 
 
-def _load_nccl() -> str:
+def nccl_version() -> str:
+    """The NCCL library vLLM would load, by its version; raises where none loads."""
     from vllm.distributed.device_communicators.pynccl_wrapper import NCCLLibrary
 
     return NCCLLibrary().ncclGetVersion()
-
-
-def _cuda(cfg: Config, gpus: int) -> tuple[bool, bool]:
-    t, e = cfg.trainer, cfg.actor.engine
-    return (t.device == "cuda" or (t.device == "auto" and gpus > 0),
-            e.device == "cuda" or (e.device == "auto" and gpus > 0))
 
 
 def check_ipc(cfg: Config, role: str, gpus: int, physical: tuple[str, ...] | None = None) -> list[Finding]:
@@ -120,7 +124,7 @@ def check_ipc(cfg: Config, role: str, gpus: int, physical: tuple[str, ...] | Non
     from rlnode import weight_ipc
     from rlnode.actor.engine import cuda_env, engine_gpu_assignment
 
-    trainer_cuda, engine_cuda = _cuda(cfg, gpus)
+    trainer_cuda, engine_cuda = cuda_roles(cfg, gpus)
     backend = cfg.trainer.weights.backend
     if role != "all" or not (trainer_cuda and engine_cuda) or backend in ("gloo", "nccl"):
         return []
@@ -160,7 +164,7 @@ def check_memory(cfg: Config, role: str, gpus: int, here: bool = True,
     share is taken off first."""
     from rlnode.trainer.memory_plan import UnsupportedModel, plan_for_config
 
-    trainer_cuda, engine_cuda = _cuda(cfg, gpus)
+    trainer_cuda, engine_cuda = cuda_roles(cfg, gpus)
     if role not in ("trainer", "all") or not trainer_cuda:
         return []
     if gpu_bytes is None:
@@ -187,7 +191,7 @@ def check_attention(cfg: Config, role: str, gpus: int) -> list[Finding]:
     """Which attention kernel a cuda trainer gets (``trainer.attention``)."""
     import importlib.util
 
-    trainer_cuda, _ = _cuda(cfg, gpus)
+    trainer_cuda, _ = cuda_roles(cfg, gpus)
     t = cfg.trainer
     if role not in ("trainer", "all") or not trainer_cuda or t.attention in ("sdpa", "eager"):
         return []
@@ -213,15 +217,14 @@ def check_stack(cfg: Config, role: str, gpus: int, here: bool = True,
         out += check_guard()
     if here:
         out += check_nccl(cfg, role, gpus)
-    elif nccl_needed(cfg, role, gpus):
-        out.append(Finding(WARN, "nccl", f"{nccl_needed(cfg, role, gpus)} needs NCCL: not loaded here "
-                           "(--gpus describes another machine; run `rlnode check` there)"))
-    if here:
         out += check_ipc(cfg, role, gpus)
+    elif why := nccl_needed(cfg, role, gpus):
+        out.append(Finding(WARN, "nccl", f"{why} needs NCCL: not loaded here "
+                           "(--gpus describes another machine; run `rlnode check` there)"))
     out += check_attention(cfg, role, gpus)
     out += check_memory(cfg, role, gpus, here, gpu_bytes)
     return out
 
 
 __all__ = ["FAIL", "OK", "WARN", "check_attention", "check_guard", "check_ipc", "check_memory", "check_nccl",
-           "check_stack", "check_vllm", "nccl_needed"]
+           "check_stack", "check_vllm", "cuda_roles", "nccl_needed", "nccl_version"]

@@ -133,9 +133,9 @@ def environment() -> dict:
     except Exception as e:  # noqa: BLE001
         out["vllm_error"] = repr(e)
     try:
-        from vllm.distributed.device_communicators.pynccl_wrapper import NCCLLibrary
+        from rlnode.ops.stack import nccl_version
 
-        out["nccl"] = NCCLLibrary().ncclGetVersion()
+        out["nccl"] = nccl_version()
     except Exception as e:  # noqa: BLE001
         out["nccl_error"] = str(e)[:300]
     try:

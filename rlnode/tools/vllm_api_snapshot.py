@@ -265,7 +265,7 @@ class Resolver:
             return _call_params(init)
         for b in self.bases(cls, module):
             if b is not None and b[0] == "def" and isinstance(b[1], ast.ClassDef) and depth < self.MAX_DEPTH:
-                if _find(b[1].body, "__init__") is not None or any(_find(x[1].body, "__init__") for x in [b]):
+                if _find(b[1].body, "__init__") is not None:
                     return self.init_params(b[1], b[2], depth + 1)
         fields = self._fields(cls, module)
         if fields:
@@ -338,10 +338,6 @@ def snapshot_release(path: str, uses: list[Use] | None = None) -> dict:
         return {"vllm": version, "dist": dist, "symbols": symbols, "uses": dict(sorted(facts.items()))}
     finally:
         release.close()
-
-
-# Kept for callers of the old name.
-snapshot_wheel = snapshot_release
 
 
 def main(argv: list[str] | None = None) -> None:
