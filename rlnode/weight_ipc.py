@@ -186,10 +186,12 @@ def own_gpu_uuid(device) -> str:
     ``device`` is not cuda or CUDA is unavailable. Initialises CUDA."""
     import torch
 
+    from rlnode.weight_plan import indexed_device
+
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
         return ""
-    return device_uuid(device.index if device.index is not None else torch.cuda.current_device())
+    return device_uuid(indexed_device(device).index)
 
 
 # --------------------------------------------------------------------------
