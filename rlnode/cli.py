@@ -19,7 +19,7 @@ import sys
 from rlnode import __version__
 
 ROLES = ("trainer", "actor", "all")
-BENCHES = ("router", "transport", "weights", "async", "fuzz", "trainer", "gateway")
+BENCHES = ("router", "transport", "weights", "async", "fuzz", "trainer", "gateway", "link")
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -112,7 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "fuzz: hostile frames at a live trainer (rejected/s, crashes, steps trained); "
                        "trainer: Learner.train_step vs transformers + AdamW (tokens/s, MFU, peak memory); "
                        "gateway: the guessing game through the OpenAI-compatible gateway (openai-SDK agent) "
-                       "vs the native agent loop (tokens/s; --requests = episodes per round)")
+                       "vs the native agent loop (tokens/s; --requests = episodes per round); "
+                       "link: one trainer link against N simulated actors (groups/s, trainer CPU per group, "
+                       "submit->ack p99, credit fairness)")
     _add_config_args(bench)
     bench.add_argument("--model", metavar="PATH", help="model directory (overrides model.path)")
     bench.add_argument("--concurrency", type=int, default=32, help="concurrent requests (default 32)")
@@ -130,6 +132,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--backend", choices=("gloo", "nccl", "cuda_ipc"),
                        help="weights: the transport to measure (default trainer.weights.backend, whose \"auto\" "
                        "is decided as the trainer decides it); one this host cannot run is refused at once")
+    bench.add_argument("--actors", default="1,16,128,512", metavar="N,N,...",
+                       help="link: simulated actor counts, one run each (default 1,16,128,512)")
+    bench.add_argument("--seconds", type=float, default=5.0, help="link: timed window per actor count (default 5)")
+    bench.add_argument("--groups-per-step", type=int, default=64,
+                       help="link: groups the fake trainer step takes; the credit budget is "
+                       "(max_lag + 1) x this (default 64)")
+    bench.add_argument("--max-lag", type=int, default=1, help="link: staleness budget in versions (default 1)")
     bench.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     return p
 

@@ -106,4 +106,21 @@ def run_bench(name: str, cfg: Config, args) -> int:
         else:
             print_table(res)
         return 0
+    if name == "link":
+        from rlnode.bench.link_scale import bench_link, print_table
+
+        try:
+            actors = [int(n) for n in args.actors.split(",") if n.strip()]
+        except ValueError:
+            actors = []
+        if not actors or min(actors) < 1 or args.seconds <= 0 or args.groups_per_step < 1 or args.max_lag < 0:
+            print("rlnode bench link: --actors takes positive counts (1,16,128), --seconds > 0, "
+                  "--groups-per-step >= 1, --max-lag >= 0", file=sys.stderr)
+            return 2
+        res = asyncio.run(bench_link(cfg, actors, args.seconds, args.groups_per_step, args.max_lag, log=log))
+        if args.json:
+            print(msgspec.json.encode(res).decode())
+        else:
+            print_table(res)
+        return 0 if all(r.lost == 0 for r in res.rows) else 1
     raise SystemExit(f"unknown benchmark {name!r}")

@@ -66,33 +66,36 @@ class TransportBenchResult(msgspec.Struct):
     details: dict[str, float | int | str]
 
 
-def make_samples(n: int, tokens: int, group_size: int, seed: int = 0) -> list[GroupDelivery]:
-    """``n`` samples of ``tokens`` tokens (3/4 prompt, 1/4 completion, as in
-    multi-turn agent calls) in groups of ``group_size``."""
+def make_samples(n: int, tokens: int, group_size: int, seed: int = 0, turns: int = 1) -> list[GroupDelivery]:
+    """``n`` episodes of ``turns`` LLM calls (samples) each, ``tokens`` tokens
+    per sample (3/4 prompt, 1/4 completion, as in multi-turn agent calls), in
+    groups of ``group_size`` episodes."""
     rng = np.random.default_rng(seed)
     n_completion = max(1, tokens // 4)
     n_prompt = tokens - n_completion
     groups: list[GroupDelivery] = []
     for g in range(0, n, group_size):
         gid = f"bench-g{g // group_size:06d}"
+        episodes = [f"{gid}/e{i}" for i in range(min(group_size, n - g))]
         samples = []
-        for i in range(min(group_size, n - g)):
-            samples.append(TrainingSample(
-                sample_id=f"{gid}/e{i}/0", group_id=gid, episode_id=f"{gid}/e{i}", cube_id="bench",
-                task_id=f"t{g}", step_index=0,
-                prompt_ids=rng.integers(0, 151_000, n_prompt, dtype="<i4").tobytes(),
-                completion_ids=rng.integers(0, 151_000, n_completion, dtype="<i4").tobytes(),
-                logprobs=(-rng.exponential(1.0, n_completion)).astype("<f4").tobytes(),
-                loss_mask=b"\x01" * n_completion, reward=float(i % 2), finish_reason="stop",
-                termination_reason="done", policy_version=3, temperature=1.0,
-                lease=LeaseMetadata(route_id=g + i, engine_id=i % 2, lease_wait_s=0.002, llm_latency_s=0.8,
-                                    prompt_tokens=n_prompt, completion_tokens=n_completion,
-                                    started_at=1.7e9, finished_at=1.7e9 + 0.8),
-                weight_versions=[("3", 0, n_completion)], num_turns=1,
-            ))
+        for i, eid in enumerate(episodes):
+            for t in range(turns):
+                samples.append(TrainingSample(
+                    sample_id=f"{eid}/{t}", group_id=gid, episode_id=eid, cube_id="bench",
+                    task_id=f"t{g}", step_index=t,
+                    prompt_ids=rng.integers(0, 151_000, n_prompt, dtype="<i4").tobytes(),
+                    completion_ids=rng.integers(0, 151_000, n_completion, dtype="<i4").tobytes(),
+                    logprobs=(-rng.exponential(1.0, n_completion)).astype("<f4").tobytes(),
+                    loss_mask=b"\x01" * n_completion, reward=float(i % 2), finish_reason="stop",
+                    termination_reason="done", policy_version=3, temperature=1.0,
+                    lease=LeaseMetadata(route_id=(g + i) * turns + t, engine_id=i % 2, lease_wait_s=0.002,
+                                        llm_latency_s=0.8, prompt_tokens=n_prompt, completion_tokens=n_completion,
+                                        started_at=1.7e9, finished_at=1.7e9 + 0.8),
+                    weight_versions=[("3", 0, n_completion)], num_turns=turns,
+                ))
         groups.append(GroupDelivery(gid, "bench", "bench", f"t{g}", 3,
-                                    [EpisodeSummary(s.episode_id, s.reward, bool(s.reward), 1, "done")
-                                     for s in samples], samples))
+                                    [EpisodeSummary(eid, float(i % 2), bool(i % 2), turns, "done")
+                                     for i, eid in enumerate(episodes)], samples))
     return groups
 
 
