@@ -16,10 +16,13 @@ training run's rate.
 The trainer runs in its own process (spawn) so its CPU time
 (``time.process_time``, its ZeroMQ I/O thread included) is its alone; the
 N actors share the parent process and one event loop. Per N, in order:
-connect every actor; an idle window (connected, holding credits, starting
-nothing: the heartbeat and credit-report load alone); the timed window of
-``seconds`` (groups/s, CPU per group, fairness); a drain (producers
-stopped, every group acked) for the loss count. Must not touch anything
+connect every actor and let registration settle (two heartbeats); an idle
+window of ``idle_s`` (connected, holding credits, starting nothing: the
+heartbeat and credit-report load alone); a warm-up of ``idle_s`` (the
+first actors to register hold the whole budget: their burst goes first);
+the timed window of ``seconds`` (groups/s, CPU per group, submit -> ack
+of the groups submitted in it, fairness); a drain (producers stopped,
+every group acked) for the loss count. Must not touch anything
 but loopback ports and the two processes it starts.
 """
 
@@ -53,7 +56,7 @@ class LinkScaleRow(msgspec.Struct):
     trainer_cpu_pct: float  # of one core, timed window
     trainer_idle_cpu_pct: float  # of one core, N actors connected, no groups: heartbeats + reports
     sim_cpu_pct: float  # the N simulated actors' process (shares the host with the trainer)
-    ack_p50_ms: float  # submit() -> Ack at the actor, every group of the run
+    ack_p50_ms: float  # submit() -> Ack at the actor, groups submitted in the timed window
     ack_p99_ms: float
     jain_delivered: float  # Jain's index over groups delivered per actor in the window, (0, 1]
     jain_granted: float  # ... over credits granted per actor in the window
@@ -183,7 +186,7 @@ class _TimedActorLink(ActorLink):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.submitted_at: dict[str, float] = {}
-        self.ack_s: list[float] = []
+        self.acks: list[tuple[float, float]] = []  # (submitted at, seconds to its Ack)
 
     def submit(self, delivery: GroupDelivery) -> bool:
         self.submitted_at[delivery.group_id] = time.perf_counter()
@@ -195,7 +198,7 @@ class _TimedActorLink(ActorLink):
         for gid in ids:
             t = self.submitted_at.pop(gid, None)
             if t is not None:
-                self.ack_s.append(now - t)
+                self.acks.append((t, now - t))
 
 
 def _stamp(template: GroupDelivery, group_id: str, node_id: str, session: str) -> GroupDelivery:
@@ -233,26 +236,34 @@ def _per_actor(a: dict, b: dict, key: str, actors: list[_TimedActorLink]) -> lis
 async def _run_n(n: int, template: GroupDelivery, link: LinkConfig, budget: int, groups_per_step: int,
                  want: int, limits: GroupLimits, seconds: float, idle_s: float,
                  log: Callable[[str], None]) -> LinkScaleRow:
+    """One actor count: connect, settle, idle window, warm-up, timed window, drain."""
     trainer = _Trainer(link, budget, groups_per_step, limits)
     actors: list[_TimedActorLink] = []
     producers: list[asyncio.Task] = []
+    snap: dict[str, dict] = {}
     try:
         t0 = time.perf_counter()
         actors = await _connect(trainer, n, link, want)
         connect_s = time.perf_counter() - t0
-        s0 = await trainer.snapshot()  # idle window
+        # Registration's first reports and grants are over after a heartbeat or two.
+        await asyncio.sleep(2 * link.heartbeat_s)
+        snap["idle"] = await trainer.snapshot()
         await asyncio.sleep(idle_s)
-        s1 = await trainer.snapshot()  # timed window
-        sim0 = time.process_time()
+        snap["warm"] = await trainer.snapshot()
         producers = [asyncio.create_task(_produce(a, template)) for a in actors]
+        # The first actors to register took the whole budget while idle: let
+        # that burst through before the window opens.
+        await asyncio.sleep(idle_s)
+        snap["window"] = await trainer.snapshot()
+        w0, sim0 = time.perf_counter(), time.process_time()
         await asyncio.sleep(seconds)
-        s2 = await trainer.snapshot()
-        sim_cpu = time.process_time() - sim0
+        snap["end"] = await trainer.snapshot()
+        w1, sim_cpu = time.perf_counter(), time.process_time() - sim0
         for p in producers:
             p.cancel()
         await asyncio.gather(*producers, return_exceptions=True)
         drained = await asyncio.gather(*(a.flush(DRAIN_S) for a in actors))
-        s3 = await trainer.snapshot()
+        snap["drained"] = await trainer.snapshot()
     finally:
         for p in producers:
             p.cancel()
@@ -261,31 +272,38 @@ async def _run_n(n: int, template: GroupDelivery, link: LinkConfig, budget: int,
         trainer.stop()
     if not all(drained):
         log(f"link n={n}: {n - sum(drained)} actors still had unacked groups after {DRAIN_S:.0f} s")
-    submitted = sum(a.counters().submitted for a in actors)
-    acks = np.asarray([x for a in actors for x in a.ack_s]) * 1e3
-    window = s2["t"] - s1["t"]
-    delivered = s2["accepted"] - s1["accepted"]
-    cpu = s2["cpu"] - s1["cpu"]
-    row = LinkScaleRow(
-        actors=n, groups_per_s=round(delivered / window, 1),
-        trainer_cpu_ms_per_group=round(1e3 * cpu / delivered, 3) if delivered else 0.0,
-        trainer_cpu_pct=round(100 * cpu / window, 1),
-        trainer_idle_cpu_pct=round(100 * (s1["cpu"] - s0["cpu"]) / (s1["t"] - s0["t"]), 1),
-        sim_cpu_pct=round(100 * sim_cpu / window, 1),
-        ack_p50_ms=round(float(np.percentile(acks, 50)), 2) if len(acks) else 0.0,
-        ack_p99_ms=round(float(np.percentile(acks, 99)), 2) if len(acks) else 0.0,
-        jain_delivered=round(jain(_per_actor(s1, s2, "delivered", actors)), 4),
-        jain_granted=round(jain(_per_actor(s1, s2, "granted", actors)), 4),
-        outstanding_max=max(s["peak"] for s in (s0, s1, s2, s3)), budget=budget,
-        delivered=delivered, submitted=submitted, lost=submitted - s3["accepted"],
-        duplicates=s3["duplicates"], connect_s=round(connect_s, 2), window_s=round(window, 2))
-    bad = {k: s3[k] for k in ("invalid", "busy", "malformed") if s3[k]}
+    row = _row(n, actors, snap, budget, (w0, w1), sim_cpu, connect_s)
+    bad = {k: snap["drained"][k] for k in ("invalid", "busy", "malformed") if snap["drained"][k]}
     if bad:
         log(f"link n={n}: trainer refused frames: {bad}")
     log(f"link n={n}: {row.groups_per_s:,.0f} groups/s, trainer {row.trainer_cpu_ms_per_group} ms CPU/group "
         f"({row.trainer_cpu_pct}% busy, {row.trainer_idle_cpu_pct}% idle), ack p99 {row.ack_p99_ms} ms, "
         f"jain {row.jain_delivered}, lost {row.lost}")
     return row
+
+
+def _row(n: int, actors: list[_TimedActorLink], snap: dict[str, dict], budget: int, window: tuple[float, float],
+         sim_cpu: float, connect_s: float) -> LinkScaleRow:
+    idle, s1, s2, end = snap["idle"], snap["window"], snap["end"], snap["drained"]
+    wall = s2["t"] - s1["t"]
+    delivered = s2["accepted"] - s1["accepted"]
+    cpu = s2["cpu"] - s1["cpu"]
+    # Latency of the groups submitted inside the window (not the warm-up burst, not the drain).
+    acks = np.asarray([dt for a in actors for t, dt in a.acks if window[0] <= t < window[1]]) * 1e3
+    submitted = sum(a.counters().submitted for a in actors)
+    return LinkScaleRow(
+        actors=n, groups_per_s=round(delivered / wall, 1),
+        trainer_cpu_ms_per_group=round(1e3 * cpu / delivered, 3) if delivered else 0.0,
+        trainer_cpu_pct=round(100 * cpu / wall, 1),
+        trainer_idle_cpu_pct=round(100 * (snap["warm"]["cpu"] - idle["cpu"]) / (snap["warm"]["t"] - idle["t"]), 1),
+        sim_cpu_pct=round(100 * sim_cpu / wall, 1),
+        ack_p50_ms=round(float(np.percentile(acks, 50)), 2) if len(acks) else 0.0,
+        ack_p99_ms=round(float(np.percentile(acks, 99)), 2) if len(acks) else 0.0,
+        jain_delivered=round(jain(_per_actor(s1, s2, "delivered", actors)), 4),
+        jain_granted=round(jain(_per_actor(s1, s2, "granted", actors)), 4),
+        outstanding_max=max(s["peak"] for s in snap.values()), budget=budget,
+        delivered=delivered, submitted=submitted, lost=submitted - end["accepted"],
+        duplicates=end["duplicates"], connect_s=round(connect_s, 2), window_s=round(wall, 2))
 
 
 def _raise_fd_limit(n_max: int) -> int:
