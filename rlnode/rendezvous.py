@@ -355,11 +355,13 @@ class GlooGroup:
         self.rank, self.size, self.timeout = rank, spec.world_size, timeout
         opts = dist.ProcessGroupGloo._Options()
         opts._timeout = timeout
-        # Rank 0 listens for gloo connections on the advertised address too
-        # (an unspecified address there means the operator chose all).
-        host = spec.master_host if rank == 0 and spec.master_host not in ("", "0.0.0.0", "::") else ""
-        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host) if host
-                         else dist.ProcessGroupGloo.create_default_device()]
+        # Every rank listens for gloo connections on, and advertises in the
+        # store, the address the others reach it at: rank 0 the advertised
+        # rendezvous address, every other rank its own address on the route
+        # to it. Never gloo's default device: that resolves the hostname,
+        # which is loopback on many hosts (/etc/hosts), and a remote peer
+        # then dials its own 127.0.0.1 until the epoch times out.
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=gloo_address(spec, rank))]
         try:
             self._pg = dist.ProcessGroupGloo(store, rank, spec.world_size, opts)
         except Exception as e:
@@ -388,6 +390,31 @@ class GlooGroup:
         pg, self._pg = self._pg, None
         if pg is not None:
             pg.shutdown()
+
+
+def gloo_address(spec: GroupSpec, rank: int) -> str:
+    """The address rank ``rank`` binds its gloo device to: for rank 0 the
+    advertised rendezvous host (or, when that is a wildcard, its address on
+    the default route), for the others the local address that the kernel
+    routes the rendezvous host from (so: the interface the trainer reaches
+    this node on, whatever the hostname resolves to)."""
+    host = spec.master_host
+    if rank == 0 and host not in ("", "0.0.0.0", "::"):
+        return host
+    target = host if rank > 0 and host not in ("", "0.0.0.0", "::") else _ROUTE_PROBE[0]
+    family = socket.AF_INET6 if ":" in target else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect((target, spec.master_port or _ROUTE_PROBE[1]))  # sends nothing: asks the route
+            return s.getsockname()[0]
+    except OSError as e:
+        raise RendezvousError(f"group epoch {spec.epoch}: rank {rank}: no route to the trainer's rendezvous "
+                              f"host {host!r}: {e}") from e
+
+
+# Any routable address (TEST-NET-1, RFC 5737): asking the route to it gives
+# this node's address on its default route.
+_ROUTE_PROBE = ("192.0.2.1", 9)
 
 
 def prove_channels(pg, key: bytes, epoch: int, rank: int, world_size: int, timeout: timedelta) -> None:
