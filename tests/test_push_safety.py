@@ -103,8 +103,14 @@ async def _engine_diffs(rig: Rig, version: int, *models) -> list[float]:
                 for p, c in zip(rig.prompts, outs)) for m in models]
 
 
+class StepDone:
+    """What WeightGuard.step reads of a step's metrics: the weights moved."""
+
+    skipped = False
+
+
 def _staged_step(model: torch.nn.Module, target: dict[str, torch.Tensor], started: threading.Event,
-                 gap_s: float) -> None:
+                 gap_s: float) -> StepDone:
     """An 'optimizer step' that writes the parameters in two halves with a
     gap between them: a push that read the parameters in the gap would carry
     half old, half new weights."""
@@ -116,6 +122,7 @@ def _staged_step(model: torch.nn.Module, target: dict[str, torch.Tensor], starte
         time.sleep(gap_s)
         for name, p in params[len(params) // 2 :]:
             p.copy_(target[name])
+    return StepDone()
 
 
 @pytest.mark.engine
@@ -144,9 +151,10 @@ async def test_push_during_a_step_carries_the_post_step_weights_and_their_versio
 
 
 @torch.no_grad()
-def _scale(model: torch.nn.Module, factor: float) -> None:
+def _scale(model: torch.nn.Module, factor: float) -> StepDone:
     for p in model.parameters():
         p.mul_(factor)
+    return StepDone()
 
 
 @pytest.mark.engine
@@ -250,11 +258,115 @@ async def test_groups_waiting_without_a_step_turn_health_red(tiny_model_dir, tmp
         trainer.buffer.put(GroupDelivery("g2", "n", "c", "t", 0, [], []))
         ok, why = trainer.healthy()
         assert not ok and why.startswith("stalled: 2 groups waiting, no optimizer step for "), why
-        await asyncio.to_thread(trainer.pusher.guard.step, lambda: None)  # a step: progress
+        await asyncio.to_thread(trainer.pusher.guard.step, StepDone)  # a step: progress
         assert trainer.healthy() == (True, "")
         await asyncio.sleep(0.6)
         assert not trainer.healthy()[0]
         trainer.cfg.trainer.stall_timeout_s = 0  # off
         assert trainer.healthy() == (True, "")
     finally:
+        await trainer.shutdown()
+
+
+# --------------------------------------------------------------------------
+# Versions name weights that moved (the trainer daemon's own loop; no engine)
+
+
+def _stale_group(gid: str, version: int):
+    """A complete group of two episodes (rewards 0 and 1: signal) whose
+    samples were generated at ``version``."""
+    from rlnode.wire import EpisodeSummary, GroupDelivery, LeaseMetadata, TrainingSample, pack_f32, pack_i32
+
+    episodes = [EpisodeSummary(f"{gid}/e{e}", float(e), bool(e), 1, "done") for e in range(2)]
+    samples = [TrainingSample(
+        sample_id=f"{gid}/e{e}/0", group_id=gid, episode_id=f"{gid}/e{e}", cube_id="c", task_id="t",
+        step_index=0, prompt_ids=pack_i32([5, 6, 7]), completion_ids=pack_i32([8]), logprobs=pack_f32([-1.0]),
+        loss_mask=b"\x01", reward=float(e), finish_reason="stop", termination_reason="done",
+        policy_version=version, temperature=1.0,
+        lease=LeaseMetadata(route_id=0, engine_id=0, lease_wait_s=0.0, llm_latency_s=0.0), num_turns=1)
+        for e in range(2)]
+    return GroupDelivery(gid, "n", "c", "t", version, episodes, samples)
+
+
+async def _until(cond, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.05)
+
+
+async def test_a_batch_with_nothing_to_train_on_makes_no_version(tiny_model_dir, tmp_path):
+    """Every sample of the batch is older than max_lag: the groups are
+    consumed (recorded, credits back) but no step runs and no version is
+    made. Before: an optimizer step on nothing, version + 1 each time, so
+    the gap to engines stuck on an old version only grew (issue 20)."""
+    from rlnode.trainer.daemon import TrainerDaemon
+
+    trainer = TrainerDaemon(_trainer_cfg(tiny_model_dir, tmp_path, "actor.scheduler.max_lag=1"))
+    stop = asyncio.Event()
+    loop_task = None
+    try:
+        await trainer.start()
+        trainer.version = trainer.pusher.guard.version = 3  # samples of version 0 are 3 behind
+        trainer.buffer.put(_stale_group("g1", 0))
+        trainer.buffer.put(_stale_group("g2", 0))
+        loop_task = asyncio.create_task(trainer._train_loop(stop))
+        await _until(lambda: trainer.pending_commit, 30, "the stale batch to be consumed")
+        assert (trainer.version, trainer.step, trainer.pusher.guard.version) == (3, 0, 3)
+        assert trainer.empty_batches == 1
+        assert trainer.pending_commit == ["g1", "g2"]
+        records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+        assert records == [{**records[0], "no_step": True, "version": 3, "group_ids": ["g1", "g2"],
+                            "dropped_stale": 4, "groups": 2}]
+        assert "step" not in records[0]  # not a step: step numbers name optimizer steps
+        # A fresh batch still trains: the version moves with the weights.
+        trainer.buffer.put(_stale_group("g3", 3))
+        trainer.buffer.put(_stale_group("g4", 2))
+        await _until(lambda: trainer.step == 1, 60, "a step on fresh samples")
+        assert trainer.version == trainer.pusher.guard.version == 4
+    finally:
+        stop.set()
+        if loop_task is not None:
+            loop_task.cancel()
+            await asyncio.gather(loop_task, return_exceptions=True)
+        await trainer.shutdown()
+
+
+async def test_a_skipped_step_makes_no_version(tiny_model_dir, tmp_path):
+    """A non-finite step leaves the weights as they were: the guard's version
+    (the one pushes carry and samples are tagged with) and the daemon's stay
+    equal. Before: the guard added 1 for every step function that returned."""
+    import msgspec
+
+    from rlnode.trainer.daemon import TrainerDaemon
+    from rlnode.wire import pack_f32
+
+    trainer = TrainerDaemon(_trainer_cfg(tiny_model_dir, tmp_path))
+    stop = asyncio.Event()
+    loop_task = None
+    try:
+        await trainer.start()
+        real_step = trainer.learner.train_step
+
+        def nonfinite(batch):  # the real step, made to see a NaN loss
+            batch.samples = [msgspec.structs.replace(s, logprobs=pack_f32([float("nan")] * (len(s.logprobs) // 4)))
+                             for s in batch.samples]
+            return real_step(batch)
+
+        trainer.learner.train_step = nonfinite
+        trainer.buffer.put(_stale_group("g1", 0))
+        trainer.buffer.put(_stale_group("g2", 0))
+        loop_task = asyncio.create_task(trainer._train_loop(stop))
+        await _until(lambda: trainer.learner.skipped_steps == 1 and trainer.pending_commit, 60, "a skipped step")
+        assert (trainer.version, trainer.pusher.guard.version, trainer.step) == (0, 0, 0)
+        trainer.learner.train_step = real_step
+        trainer.buffer.put(_stale_group("g3", 0))
+        trainer.buffer.put(_stale_group("g4", 0))
+        await _until(lambda: trainer.step == 1, 60, "a real step")
+        assert trainer.version == trainer.pusher.guard.version == 1
+    finally:
+        stop.set()
+        if loop_task is not None:
+            loop_task.cancel()
+            await asyncio.gather(loop_task, return_exceptions=True)
         await trainer.shutdown()

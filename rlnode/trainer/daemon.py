@@ -56,6 +56,8 @@ class TrainerDaemon:
         self.buffer = GroupBuffer(cfg.actor.scheduler.groups_per_step, effective_max_lag(cfg), cfg.trainer.advantage,
                                   keep_zero_signal=loss.entropy_coef > 0 or loss.kl_coef > 0)
         self.pending_commit: list[str] = []  # consumed since the last checkpoint
+        self.empty_batches = 0  # batches consumed without a step (nothing to train on)
+        self.waiting_for_engines = False  # the train loop holds a step until a push lands
         self.last_checkpoint_step = 0
         self.last_metrics: dict = {}
         # What the live page and the final table show; metrics.jsonl has
@@ -157,10 +159,15 @@ class TrainerDaemon:
 
     async def _train_loop(self, stop: asyncio.Event) -> None:
         t = self.cfg.trainer
+        max_lag = effective_max_lag(self.cfg)
         while not stop.is_set() and (t.max_steps == 0 or self.step < t.max_steps):
+            await self._wait_for_engines(max_lag)
             await self.buffer.wait_ready()
             t_wait = time.perf_counter()
             batch = self.buffer.take_batch(self.version)
+            if not batch.samples:
+                self._consumed_without_step(batch)
+                continue
             m = await self._train(batch)
             t_push, pushed = time.perf_counter(), False
             try:
@@ -179,6 +186,40 @@ class TrainerDaemon:
         await self._wait_final_eval(stop)
         if self.cfg.run.progress:
             print_final_table(self)
+
+    async def _wait_for_engines(self, max_lag: int) -> None:
+        """Hold the next step while the engines are more than max_lag
+        versions behind (their pushes fail): everything they generate
+        would be dropped as stale, and each step would widen the gap.
+        /healthz turns red through the pusher's failure count meanwhile."""
+        if not self.pusher.engines_behind(self.version, max_lag):
+            return
+        self.waiting_for_engines = True
+        log.warning("trainer.waiting_for_engines", version=self.version, engines_at=self.pusher.pushed_version,
+                    max_lag=max_lag, push_error=self.pusher.last_error)
+        try:
+            waited = await self.pusher.wait_engines(self.version, max_lag)
+        finally:
+            self.waiting_for_engines = False
+        log.info("trainer.engines_caught_up", version=self.version, engines_at=self.pusher.pushed_version,
+                 waited_s=round(waited, 1))
+
+    def _consumed_without_step(self, batch) -> None:
+        """A batch with nothing to train on (every sample stale, every
+        group without signal): no optimizer step and no new version (a
+        version names weights that moved); the groups are consumed all the
+        same, recorded where they died (metrics.jsonl) and their credits
+        returned."""
+        self.pending_commit += batch.group_ids
+        self.link.release_credits(batch.group_ids)
+        self.empty_batches += 1
+        rec = {"no_step": True, "version": self.version, "time": time.time(), "group_ids": batch.group_ids,
+               "groups": len(batch.group_ids), "dropped_stale": batch.dropped_stale,
+               "zero_signal_groups": batch.zero_signal_groups, "empty_batches_total": self.empty_batches}
+        self.metrics.write(rec)
+        log.warning("trainer.no_step", reason="no sample to train on", version=self.version,
+                    groups=len(batch.group_ids), dropped_stale=batch.dropped_stale,
+                    zero_signal_groups=batch.zero_signal_groups)
 
     async def _wait_final_eval(self, stop: asyncio.Event) -> None:
         sched = self.cfg.actor.scheduler
@@ -336,6 +377,7 @@ class TrainerDaemon:
         return {
             "version": self.version, "step": self.step, "run_dir": str(self.run_dir),
             "buffered_groups": len(self.buffer), "max_steps": self.cfg.trainer.max_steps,
+            "empty_batches": self.empty_batches, "waiting_for_engines": self.waiting_for_engines,
             "last_step": self.last_metrics,
             "peers": [{"peer": pid, "node_id": p.node_id, "connected": p.connected, "version": p.version,
                        "groups": p.groups, "last_seen": p.last_seen} for pid, p in peers.items()],

@@ -85,9 +85,31 @@ class WeightPusher:
         self._due = asyncio.Event()
         self._now = asyncio.Event()
         self._retry_at = 0.0
+        # Set on every successful push and membership change (wait_engines).
+        self._progress = asyncio.Event()
 
     def membership_changed(self) -> None:
         self.dirty = True
+        self._progress.set()
+
+    def engines_behind(self, version: int, max_lag: int) -> bool:
+        """Connected engines hold weights more than ``max_lag`` versions
+        older than ``version``: whatever they generate now the trainer would
+        drop as stale. No engine connected: nobody is behind."""
+        return bool(self._live_peers()) and version - self.pushed_version > max_lag
+
+    async def wait_engines(self, version: int, max_lag: int, poll_s: float = 1.0) -> float:
+        """Until no connected engine is behind ``version`` by more than
+        ``max_lag`` (a push succeeded, or the lagging actor left); returns
+        the seconds waited. The train loop calls this before each step so a
+        failing push holds the trainer back instead of letting it step ahead
+        on batches it must then drop whole."""
+        t0 = time.monotonic()
+        while self.engines_behind(version, max_lag):
+            self._progress.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._progress.wait(), poll_s)
+        return time.monotonic() - t0
 
     def request(self) -> None:
         """Ask ``run`` to push the current weights now (an actor joined)."""
@@ -165,6 +187,7 @@ class WeightPusher:
             log.info("weights.push_recovered", version=plan.version, after_failures=self.failures_in_a_row)
         self.failures_in_a_row, self.last_error = 0, ""
         self.pushed_version = plan.version
+        self._progress.set()
         self.last_push_s = push_s
         self.pushes += 1
         log.info("weights.pushed", version=plan.version, requested=version, epoch=plan.epoch,

@@ -120,13 +120,16 @@ class WeightGuard:
         self.progress_at = time.monotonic()
 
     def step(self, fn, *args):
-        """Blocking: ``fn(*args)`` (an optimizer step) under the lock; the
-        version moves only when it returns."""
+        """Blocking: ``fn(*args)`` (an optimizer step returning StepMetrics)
+        under the lock; the version moves only when it returns and the
+        weights moved (``skipped`` false: a non-finite step left them as
+        they were, and a version names weights, not attempts)."""
         with self._lock:
             self.progress_at = time.monotonic()
             try:
                 out = fn(*args)
-                self.version += 1
+                if not out.skipped:
+                    self.version += 1
             finally:
                 self.progress_at = time.monotonic()
         return out
