@@ -58,6 +58,7 @@ class LinkScaleRow(msgspec.Struct):
     sim_cpu_pct: float  # the N simulated actors' process (shares the host with the trainer)
     ack_p50_ms: float  # submit() -> Ack at the actor, groups submitted in the timed window
     ack_p99_ms: float
+    acked_in_window: int  # groups the latencies are over (0: none started in the window; latencies 0)
     jain_delivered: float  # Jain's index over groups delivered per actor in the window, (0, 1]
     jain_granted: float  # ... over credits granted per actor in the window
     outstanding_max: int  # the ledger's peak over the whole run
@@ -298,7 +299,7 @@ def _row(n: int, actors: list[_TimedActorLink], snap: dict[str, dict], budget: i
         trainer_idle_cpu_pct=round(100 * (snap["warm"]["cpu"] - idle["cpu"]) / (snap["warm"]["t"] - idle["t"]), 1),
         sim_cpu_pct=round(100 * sim_cpu / wall, 1),
         ack_p50_ms=round(float(np.percentile(acks, 50)), 2) if len(acks) else 0.0,
-        ack_p99_ms=round(float(np.percentile(acks, 99)), 2) if len(acks) else 0.0,
+        ack_p99_ms=round(float(np.percentile(acks, 99)), 2) if len(acks) else 0.0, acked_in_window=len(acks),
         jain_delivered=round(jain(_per_actor(s1, s2, "delivered", actors)), 4),
         jain_granted=round(jain(_per_actor(s1, s2, "granted", actors)), 4),
         outstanding_max=max(s["peak"] for s in snap.values()), budget=budget,
@@ -353,8 +354,9 @@ def print_table(r: LinkScaleResult) -> None:
     print(f"{'':>6}{'':>10}{'ms/group':>10}{'CPU %':>9}{'CPU %':>7}{'CPU %':>7}"
           f"{'ms':>9}{'ms':>9}{'groups':>7}{'grants':>7}{'max/budget':>13}{'':>6}")
     for w in r.rows:
+        p50, p99 = (f"{w.ack_p50_ms:.1f}", f"{w.ack_p99_ms:.1f}") if w.acked_in_window else ("-", "-")
         print(f"{w.actors:>6}{w.groups_per_s:>10,.0f}{w.trainer_cpu_ms_per_group:>10.3f}{w.trainer_cpu_pct:>9.1f}"
-              f"{w.trainer_idle_cpu_pct:>7.1f}{w.sim_cpu_pct:>7.1f}{w.ack_p50_ms:>9.1f}{w.ack_p99_ms:>9.1f}"
+              f"{w.trainer_idle_cpu_pct:>7.1f}{w.sim_cpu_pct:>7.1f}{p50:>9}{p99:>9}"
               f"{w.jain_delivered:>7.3f}{w.jain_granted:>7.3f}{f'{w.outstanding_max}/{w.budget}':>13}{w.lost:>6}")
     d = r.details
     print(f"host: {d['cpu_count']} CPUs, load {d['loadavg_1m']} (trainer and simulated actors share them)")
