@@ -149,7 +149,7 @@ class Node:
 
     # ---- its HTTP endpoint ----------------------------------------------------------
 
-    def get(self, path: str, timeout: float = 3.0) -> tuple[int, bytes] | None:
+    def get(self, path: str, timeout: float = 10.0) -> tuple[int, bytes] | None:
         """(status, body) of GET path on the node's endpoint, None when it
         does not answer."""
         def request():
@@ -169,6 +169,10 @@ class Node:
     def status(self) -> dict | None:
         got = self.get("/status")
         return json.loads(got[1]) if got and got[0] == 200 else None
+
+    def must_status(self, timeout: float = 30) -> dict:
+        """/status, retried while the daemon is too busy to answer."""
+        return self.wait(lambda st: st, timeout, "/status to answer")
 
     def healthy(self) -> bool | None:
         got = self.get("/healthz")

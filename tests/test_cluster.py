@@ -34,6 +34,8 @@ if _why_not:
     pytestmark.append(pytest.mark.skip(reason=f"cluster tests need network namespaces: {_why_not}"))
 
 GROUPS_PER_STEP = 2
+MAX_LAG = 1  # conf/demo.toml
+BUDGET_STEPS = MAX_LAG + 1  # groups admitted and not consumed <= (max_lag + 1) * groups_per_step
 WEIGHTS_TIMEOUT_S = 15
 PEER_TIMEOUT_S = 6
 COMMON = [
@@ -112,7 +114,7 @@ class Run:
         node.start(actor_args(self.cluster, node.name, self.model, self.run_dir, self.keys))
 
     def version(self) -> int:
-        return trainer_version(self.cluster.trainer.status())
+        return self.cluster.trainer.wait(lambda st: trainer_version(st) + 1, 60, "the trainer's status") - 1
 
     def steps_after(self, v: int, n: int, timeout: float, what: str) -> int:
         return self.cluster.trainer.wait(lambda st: trainer_version(st) >= v + n and trainer_version(st), timeout,
@@ -160,3 +162,210 @@ def test_no_fault(run):
     assert t.healthy() and all(a.healthy() for a in run.cluster.actors())
     assert not duplicated_groups(run.run_dir)
     report("no_fault", versions=v, pushes=len(pushed), wall_s=round(time.monotonic() - t0))
+
+
+# ---- helpers for the fault scenarios ---------------------------------------------
+
+
+def peer_connected(st, node_id: str) -> bool:
+    return any(p["node_id"] == node_id and p["connected"] for p in st["roles"]["trainer"]["peers"])
+
+
+def poll(cond, timeout: float, what: str, every: float = 0.25) -> float:
+    """Seconds until ``cond()`` held; AssertionError after ``timeout``."""
+    t0 = time.monotonic()
+    while not cond():
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(every)
+    return time.monotonic() - t0
+
+
+def actor_link(node) -> dict:
+    return node.must_status()["roles"]["actor"]["link"]
+
+
+def lost_groups(run) -> int:
+    """Groups an actor took and neither delivered (committed by the trainer,
+    or still held to be resent) nor had refused: must be 0 at all times."""
+    lost = 0
+    for a in run.cluster.actors():
+        if not a.alive():
+            continue
+        c = actor_link(a)
+        lost += c["submitted"] - c["committed"] - c["uncommitted"] - c["rejected"] - c["dropped_oversize"]
+    return lost
+
+
+def healthy_again(run, timeout: float = 180) -> None:
+    """Every node answers /healthz 200 and every actor is connected."""
+    for n in run.cluster.nodes.values():
+        poll(lambda n=n: n.healthy(), timeout, f"{n.name} healthy")
+    for a in run.cluster.actors():
+        run.cluster.trainer.wait(lambda st, a=a: peer_connected(st, a.name), timeout, f"{a.name} connected")
+
+
+# ---- the scenarios -------------------------------------------------------------------
+
+
+def test_actor_partition(run):
+    """1. An actor cut off for 30 s mid-episode, then healed: training goes
+    on without it, its /healthz is red while cut off and green after, its
+    groups are delivered once (none lost, none trained twice)."""
+    c, t = run.cluster, run.cluster.trainer
+    a1 = c.nodes["a1"]
+    healthy_again(run)
+    a1.wait(lambda st: st["roles"]["actor"]["router"]["in_flight"] and sum(st["roles"]["actor"]["router"]["in_flight"]),
+            60, "a1 mid-episode")
+    v_cut = run.version()
+    t_cut = time.monotonic()
+    c.cut(a1)
+    try:
+        trainer_detect = poll(lambda: not peer_connected(t.must_status(), "a1"), 60, "the trainer to see a1 gone")
+        actor_detect = poll(lambda: a1.healthy() is False, 60, "a1's /healthz to turn red")
+        why = json.loads(a1.get("/healthz")[1])
+        assert "trainer" in json.dumps(why), why
+        # Training goes on with a2 alone.
+        run.steps_after(v_cut, 2, 120, "training on without a1")
+        assert peer_connected(t.must_status(), "a2")
+        time.sleep(max(0.0, 30 - (time.monotonic() - t_cut)))
+    finally:
+        c.heal(a1)
+    t_heal = time.monotonic()
+    poll(lambda: a1.healthy(), 120, "a1's /healthz to turn green")
+    t.wait(lambda st: peer_connected(st, "a1"), 60, "a1 back")
+    v = run.version()
+    a1.wait(lambda st: actor_version(st) >= v, 120, "a1 to receive the current weights")
+    recovered = time.monotonic() - t_heal
+    run.steps_after(v, 2, 120, "training with a1 back")
+    dup, lost = duplicated_groups(run.run_dir), lost_groups(run)
+    report("actor_partition", cut_s=30, trainer_detect_s=round(trainer_detect, 1),
+           actor_detect_s=round(actor_detect, 1), recover_s=round(recovered, 1), groups_lost=lost,
+           groups_duplicated=len(dup))
+    assert not dup and lost == 0
+
+
+def test_half_open(run):
+    """5. The trainer's frames to a1 vanish while a1's still arrive (a
+    half-open link): both ends notice within the configured heartbeat
+    timeout (link.peer_timeout_s) and recover when the path heals."""
+    c, t = run.cluster, run.cluster.trainer
+    a1 = c.nodes["a1"]
+    healthy_again(run)
+    c.drop_to(t, a1)
+    try:
+        actor_detect = poll(lambda: a1.healthy() is False, 60, "a1 to notice the trainer is silent")
+        trainer_detect = poll(lambda: not peer_connected(t.must_status(), "a1"), 60, "the trainer to drop a1")
+    finally:
+        c.undrop(t, a1)
+    t_heal = time.monotonic()
+    healthy_again(run)
+    v = run.version()
+    a1.wait(lambda st: actor_version(st) >= v, 120, "a1 to receive the current weights")
+    recovered = time.monotonic() - t_heal
+    report("half_open", actor_detect_s=round(actor_detect, 1), trainer_detect_s=round(trainer_detect, 1),
+           recover_s=round(recovered, 1), groups_lost=lost_groups(run),
+           groups_duplicated=len(duplicated_groups(run.run_dir)))
+    # Detected by heartbeats, within the timeout plus the heartbeat period
+    # and the probe's own polling, not by a TCP timeout (minutes).
+    assert actor_detect < PEER_TIMEOUT_S + 5
+    assert trainer_detect < 2 * PEER_TIMEOUT_S + 5  # the actor stops talking once it gave up
+    assert lost_groups(run) == 0 and not duplicated_groups(run.run_dir)
+
+
+def test_trainer_partition(run):
+    """2. The trainer cut off from every actor during a weight push: the push
+    fails or times out, is retried, and every engine ends on the same
+    version; nothing hangs past the configured timeouts, and the trainer
+    never steps more than max_lag ahead of what its engines hold."""
+    c, t = run.cluster, run.cluster.trainer
+    healthy_again(run)
+    pushes = len(t.events("weights.broadcast"))
+    poll(lambda: len(t.events("weights.broadcast")) > pushes, 60, "a push to start", every=0.05)
+    c.cut(t)
+    t_cut = time.monotonic()
+    try:
+        detect = poll(lambda: all(not peer_connected(t.must_status(), a.name) for a in c.actors()), 60,
+                      "the trainer to see every actor gone")
+        poll(lambda: all(a.healthy() is False for a in c.actors()), 60, "the actors to turn red")
+        time.sleep(max(0.0, 20 - (time.monotonic() - t_cut)))
+        st = t.must_status()["roles"]["trainer"]
+        held = max(actor_version(a.must_status()) for a in c.actors())
+        # Ahead of what the engines hold by at most max_lag, plus the steps the
+        # credit budget lets it take on groups it already holds (nobody to push to).
+        assert st["version"] - held <= MAX_LAG + BUDGET_STEPS, (st["version"], held)
+    finally:
+        c.heal(t)
+    t_heal = time.monotonic()
+    healthy_again(run)
+    v = run.version()
+
+    def same_version():
+        vs = {actor_version(a.must_status()) for a in c.actors()}
+        return len(vs) == 1 and vs.pop() >= v
+
+    poll(same_version, WEIGHTS_TIMEOUT_S * 4, "every engine on one version >= the trainer's")
+    recovered = time.monotonic() - t_heal
+    run.steps_after(run.version(), 2, 120, "training after the partition")
+    failed = t.events("weights.push_failed")
+    report("trainer_partition", detect_s=round(detect, 1), recover_s=round(recovered, 1),
+           push_failures=len(failed), groups_lost=lost_groups(run), groups_duplicated=len(duplicated_groups(run.run_dir)))
+    assert recovered < WEIGHTS_TIMEOUT_S * 4
+    assert lost_groups(run) == 0 and not duplicated_groups(run.run_dir)
+
+
+def test_actor_new_address(run):
+    """4. An actor restarts on a new address with its node id: it rejoins the
+    link and the weight group (gloo dials its new address), what it
+    delivered before is trained once, and the credits its old incarnation
+    held are returned to the pool."""
+    c, t = run.cluster, run.cluster.trainer
+    a2 = c.nodes["a2"]
+    healthy_again(run)
+    old = a2.must_status()["roles"]["actor"]["incarnation"]
+    assert a2.terminate() == 0
+    c.readdress(a2, 20)
+    t_start = time.monotonic()
+    run.start_actor(a2)
+    a2.wait(lambda st: st["roles"]["actor"]["incarnation"] != old and st["roles"]["actor"].get("link", {}).get("connected"),
+            300, "a2 to come back on its new address")
+    v = run.version()
+    a2.wait(lambda st: actor_version(st) >= v, 120, "a2 to receive the current weights")
+    rejoined = time.monotonic() - t_start
+    run.steps_after(run.version(), 2, 180, "training with a2 on its new address")
+    epoch = t.events("weights.epoch")[-1]
+    assert len(epoch["peers"]) == 2, epoch
+    credits = t.must_status()["roles"]["trainer"]["credits"]
+    # The old incarnation's account is gone (its credits back in the pool).
+    assert not [p for p in credits["peers"] if p.startswith("a2/") and old in p], credits["peers"]
+    assert credits["outstanding"] <= credits["budget"]
+    report("actor_new_address", rejoin_s=round(rejoined, 1), groups_lost=lost_groups(run),
+           groups_duplicated=len(duplicated_groups(run.run_dir)))
+    assert lost_groups(run) == 0 and not duplicated_groups(run.run_dir)
+
+
+def test_trainer_kill_resume(run):
+    """3. The trainer killed -9 and restarted with --resume while the actors
+    keep generating: groups already trained and checkpointed are not
+    trained again (the actors resend what was not committed; the trainer
+    drops the ones its checkpoint consumed), the rest are delivered."""
+    c, t = run.cluster, run.cluster.trainer
+    healthy_again(run)
+    v_kill = run.version()
+    t.kill()
+    t_kill = time.monotonic()
+    poll(lambda: all(a.healthy() is False for a in c.actors()), 60, "the actors to notice")
+    time.sleep(5)  # the actors keep generating into their outboxes
+    run.start_trainer(resume=True)
+    t.wait(lambda st: trainer_version(st) > 0 and all(peer_connected(st, a.name) for a in c.actors()), 300,
+           "the trainer back with both actors")
+    resumed_at = t.events("trainer.resumed")[-1]["version"]
+    run.steps_after(resumed_at, 3, 300, "training after the restart")
+    back = time.monotonic() - t_kill
+    v = run.version()
+    run.all_actors_at(v - 1, 120)
+    dup = duplicated_groups(run.run_dir)
+    link = t.must_status()["roles"]["trainer"]["link"]
+    report("trainer_kill_resume", version_at_kill=v_kill, resumed_at=resumed_at, back_training_s=round(back, 1),
+           resent_duplicates_dropped=link["duplicates"], groups_lost=lost_groups(run), groups_duplicated=len(dup))
+    assert resumed_at <= v_kill and not dup and lost_groups(run) == 0

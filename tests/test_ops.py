@@ -257,3 +257,64 @@ def test_log_lines_carry_context(tmp_path):
     a, b = [json.loads(l) for l in r.stderr.splitlines() if l.startswith("{")]
     assert (a["event"], a["run"], a["role"], a["node"]) == ("a", "r1", "actor", "n1") and "version" not in a
     assert (b["event"], b["version"], b["x"], b["level"]) == ("b", 7, 1, "info") and "timestamp" in b
+
+
+class _FaultyRole:
+    """An observable role whose health the test sets."""
+
+    name = "actor"
+
+    def __init__(self):
+        self.why, self.own = "", False
+
+    def healthy(self):
+        return not self.why, self.why
+
+    def restart_would_help(self):
+        return bool(self.why) and self.own
+
+    def status(self):
+        return {}
+
+    def prometheus(self):
+        return []
+
+    def gauges(self):
+        return {}
+
+    def history(self):
+        return {}
+
+
+async def test_watchdog_pings_through_faults_a_restart_cannot_fix(tmp_path):
+    """/healthz is red for an unreachable trainer, but the watchdog keeps
+    pinging: systemd must not restart an actor for a network partition (it
+    would lose the groups it holds for resend). A fault of its own (a dead
+    engine) stops the pings."""
+    import asyncio
+
+    from rlnode.ops.http import OpsServer
+    from rlnode.ops.notify import Notifier
+
+    sock = _notify_socket(tmp_path)
+    collector = _Collector(sock)
+    role = _FaultyRole()
+    ops = OpsServer([role], "127.0.0.1", 0,
+                    Notifier({"NOTIFY_SOCKET": str(tmp_path / "notify.sock"), "WATCHDOG_USEC": "200000"}))
+
+    async def pings_in(seconds: float) -> int:
+        before = sum("WATCHDOG=1" in m for m in collector.msgs)
+        await asyncio.sleep(seconds)
+        return sum("WATCHDOG=1" in m for m in collector.msgs) - before
+
+    try:
+        await ops.start()
+        assert await pings_in(0.6) >= 2  # healthy
+        role.why, role.own = "trainer 10.0.0.1:5555 unreachable", False
+        assert await pings_in(0.6) >= 2  # red, but not ours to fix
+        role.own = True  # e.g. engines not serving
+        await asyncio.sleep(0.15)  # a ping already on its way
+        assert await pings_in(0.6) == 0
+    finally:
+        await ops.close()
+        collector.close()

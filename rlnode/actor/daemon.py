@@ -55,15 +55,30 @@ def episode_settings(cfg: Config) -> EpisodeSettings:
 
 class _LinkSink:
     """Where the scheduler puts complete groups when a trainer is connected:
-    the link's outbox (``submit`` never blocks)."""
+    the link's outbox (``submit`` never blocks). Owns a group once ``put``
+    returns: a group the link refuses (larger than link.max_frame_bytes, or
+    an id it already holds) can never be delivered, so its credit goes back
+    here and the loss is counted; otherwise the credit would stay "in hands"
+    for the rest of the run and the actor would run one group fewer."""
 
     def __init__(self, link, node_id: str):
         self.link, self.node_id = link, node_id
+        self.submitted = 0  # groups the link took
+        self.lost = 0  # groups the link refused: dropped, credit given back
+        self.last_at = time.monotonic()  # monotonic time the link last took a group (or start)
 
     async def put(self, group: Group) -> None:
         from rlnode.wire import group_to_delivery
 
-        self.link.submit(group_to_delivery(group, self.node_id))
+        if self.link.submit(group_to_delivery(group, self.node_id)):
+            self.submitted += 1
+            self.last_at = time.monotonic()
+            return
+        self.lost += 1
+        if self.link.credits is not None:
+            self.link.credits.give_back(group.credit_session)
+        # The link logged why (link.actor.group_too_large / duplicate_submit).
+        log.error("actor.group_lost", group=group.group_id, lost=self.lost, credit_returned=bool(group.credit_session))
 
 
 class ActorDaemon:
@@ -101,6 +116,7 @@ class ActorDaemon:
         # Complete groups, for the trainer link. Bounded in effect by the
         # scheduler's staleness budget, not by the queue.
         self.groups: asyncio.Queue[Group] = asyncio.Queue()
+        self.sink: _LinkSink | None = None  # set by run() when a trainer takes the groups
 
     async def start(self) -> None:
         from rlnode.actor.weight_receiver import prepare_engine
@@ -193,12 +209,46 @@ class ActorDaemon:
             # With a trainer, complete groups go straight into the link's
             # outbox (no queue in between: what the actor holds is exactly
             # the scheduler's groups in flight plus the outbox).
-            out = _LinkSink(self.link, self.node_id) if self.link is not None else self.groups
+            out = self.groups
+            if self.link is not None:
+                out = self.sink = _LinkSink(self.link, self.node_id)
+                if self.cfg.link.no_group_alarm_s:
+                    jobs.append(asyncio.create_task(self._watch_groups(), name="no-group-alarm"))
             jobs.append(asyncio.create_task(self.scheduler.run(out), name="rollouts"))
         if self.link is not None:
             jobs.append(asyncio.create_task(self._control_loop(), name="control"))
             jobs.append(asyncio.create_task(self._raise_fatal(), name="fatal"))
         await run_until_stopped(jobs, stop)
+
+    async def _watch_groups(self) -> None:
+        """Log the no-group alarm when it trips and when it clears (/healthz
+        reads the same condition, ``_starved``)."""
+        limit = self.cfg.link.no_group_alarm_s
+        raised = False
+        while True:
+            await asyncio.sleep(min(limit / 4, 30.0))
+            why = self._starved()
+            if why and not raised:
+                log.error("actor.no_group_alarm", detail=why)
+            elif raised and not why:
+                log.info("actor.no_group_alarm_cleared", submitted=self.sink.submitted)
+            raised = bool(why)
+
+    def _starved(self) -> str:
+        """'' unless no group reached the link for link.no_group_alarm_s:
+        whatever the cause (no credits, groups lost, episodes failing), this
+        actor is not feeding the trainer."""
+        limit, sink = self.cfg.link.no_group_alarm_s, self.sink
+        if not limit or sink is None:
+            return ""
+        idle = time.monotonic() - sink.last_at
+        if idle < limit:
+            return ""
+        s, c = self.scheduler, self.link.credits
+        credits = f", credits available {c.available} of {c.granted} granted" if c is not None else ""
+        return (f"no group reached the trainer link for {idle:.0f} s (link.no_group_alarm_s = {limit:g}): "
+                f"{s.in_flight_groups} groups in flight, waiting for a credit: {s.waiting_for_credit}{credits}, "
+                f"groups lost {sink.lost}, failed {s.groups_failed}, connected: {self.link.connected}")
 
     async def _control_loop(self) -> None:
         from rlnode.wire import ControlReply, ControlRequest
@@ -287,15 +337,43 @@ class ActorDaemon:
     # -- observability (read by rlnode.ops.http; never changes state) ---------------
 
     def healthy(self) -> tuple[bool, str]:
+        if why := self._local_fault():
+            return False, why
+        # Unreachable first: it explains a starved actor too.
+        if why := self._trainer_unreachable() or self._starved():
+            return False, why
+        return True, ""
+
+    def _local_fault(self) -> str:
+        """'' unless this daemon's own engines are broken."""
         from rlnode.actor.weight_receiver import load_failure
 
         down = [e.engine_id for e in self.engines if e.llm is None]
         if down:
-            return False, f"engines not serving: {down}"
+            return f"engines not serving: {down}"
         broken = {e.engine_id: why for e in self.engines if (why := load_failure(e))}
         if broken:
-            return False, f"engines half-loaded by a failed weight update: {broken}"
-        return True, ""
+            return f"engines half-loaded by a failed weight update: {broken}"
+        return ""
+
+    def _trainer_unreachable(self) -> str:
+        """'' unless this actor has a trainer and is not registered with it
+        (silent for link.peer_timeout_s, or never reached): it generates, but
+        nothing it makes is delivered until the link is back."""
+        if self.link is None or self.link.connected:
+            return ""
+        c = self.link.counters()
+        return (f"trainer {self.peers[0]} unreachable (nothing heard for link.peer_timeout_s = "
+                f"{self.cfg.link.peer_timeout_s:g} s; {c.unacked} group(s) held for resend, "
+                f"{c.disconnects} disconnect(s) so far)")
+
+    def restart_would_help(self) -> bool:
+        """For the systemd watchdog: true only for faults of this daemon
+        (its engines; no group for no_group_alarm_s while the trainer is
+        reachable). An unreachable trainer turns /healthz red too, but a
+        restart cannot fix the network and would lose the groups held for
+        resend."""
+        return bool(self._local_fault()) or (not self._trainer_unreachable() and bool(self._starved()))
 
     def status(self) -> dict:
         r = self.router.stats()
@@ -308,6 +386,8 @@ class ActorDaemon:
             "cubes": {c: s.summary() for c, s in self.scheduler.stats.items()} if self.scheduler else {},
             "groups_started": self.scheduler.started_groups if self.scheduler else 0,
             "waiting_for_credit": self.scheduler.waiting_for_credit if self.scheduler else False,
+            "groups_failed": self.scheduler.groups_failed if self.scheduler else 0,
+            "groups_lost": self.sink.lost if self.sink else 0,
             "gateway": {"url": self.gateway.url, "open_episodes": len(self.gateway.sessions),
                         **msgspec.to_builtins(self.gateway.stats)},
         }

@@ -91,6 +91,11 @@ class Observable(Protocol):
 
     def healthy(self) -> tuple[bool, str]: ...
 
+    # Whether the watchdog should stop pinging while unhealthy (a restart of
+    # this daemon could fix it); False for faults outside it (an unreachable
+    # peer), which only turn /healthz red.
+    def restart_would_help(self) -> bool: ...
+
     def status(self) -> dict[str, Any]: ...
 
     def prometheus(self) -> list[Sample]: ...
@@ -188,9 +193,9 @@ class OpsServer:
         # stopped serving is restarted by systemd.
         while True:
             ok, reasons = self.health()
-            if ok:
+            if ok or not any(role.restart_would_help() for role in self.roles):
                 self.notifier.watchdog()
-            else:
+            if not ok:
                 log.warning("ops.unhealthy", reasons=reasons)
             await asyncio.sleep(self.notifier.watchdog_s / 2)
 

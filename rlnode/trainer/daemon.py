@@ -358,6 +358,11 @@ class TrainerDaemon:
             return False, why
         return True, ""
 
+    def restart_would_help(self) -> bool:
+        """Every trainer fault is its own (a push that keeps failing, a
+        stuck loop): the systemd watchdog restarts it."""
+        return not self.healthy()[0]
+
     def _stalled(self) -> str:
         """'' unless a batch's worth of groups is waiting and no optimizer
         step started or ended for trainer.stall_timeout_s (the loop is stuck
