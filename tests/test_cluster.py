@@ -48,6 +48,11 @@ COMMON = [
     "--set", "link.heartbeat_s=1", "--set", f"link.peer_timeout_s={PEER_TIMEOUT_S}",
     "--set", f"trainer.weights.timeout_s={WEIGHTS_TIMEOUT_S}", "--set", "trainer.weights.max_failures=3",
     "--set", "trainer.cpu_threads=1",
+    # Every 4th task fails in reset on every attempt: its groups are dropped
+    # on the actor after a retry, and their credits must come back.
+    "--set", 'actor.cubes=[{id = "guess5", kind = "guessing", weight = 1.0, options = {max_number = 5, '
+             'max_turns = 3, feedback = "range", fail_reset_every = 4}}]',
+    "--set", "actor.scheduler.max_retries=1", "--set", "actor.scheduler.retry_backoff_s=0.05",
 ]
 
 
@@ -161,7 +166,17 @@ def test_no_fault(run):
     assert all(r["weights_pushed"] for r in steps), [r["weights_pushed"] for r in steps]
     assert t.healthy() and all(a.healthy() for a in run.cluster.actors())
     assert not duplicated_groups(run.run_dir)
-    report("no_fault", versions=v, pushes=len(pushed), wall_s=round(time.monotonic() - t0))
+    budget = (MAX_LAG + 1) * GROUPS_PER_STEP
+    for r in steps:  # the credit budget holds across hosts, and so does the staleness bound
+        assert r["credit_budget"] == budget and r["credits_outstanding_max"] <= budget, r
+        assert r["lag_max"] <= MAX_LAG and r["groups"] == GROUPS_PER_STEP, r
+    # The failing tasks' groups were dropped on the actors and gave their credits back.
+    dropped = sum(a.must_status()["roles"]["actor"]["cubes"].get("guess5", {}).get("groups_dropped", 0)
+                  for a in run.cluster.actors())
+    assert dropped > 0
+    t.wait(lambda st: st["roles"]["trainer"]["credits"]["returned"] > 0, 30, "dropped groups' credits back")
+    report("no_fault", versions=v, pushes=len(pushed), groups_dropped_on_actors=dropped,
+           wall_s=round(time.monotonic() - t0))
 
 
 # ---- helpers for the fault scenarios ---------------------------------------------
@@ -315,15 +330,16 @@ def test_trainer_partition(run):
 
 
 def test_actor_new_address(run):
-    """4. An actor restarts on a new address with its node id: it rejoins the
-    link and the weight group (gloo dials its new address), what it
-    delivered before is trained once, and the credits its old incarnation
-    held are returned to the pool."""
+    """4. An actor killed -9 comes back on a new address with its node id: it
+    rejoins the link and the weight group (gloo dials its new address), what
+    it delivered before is trained once, and the credits its old
+    incarnation held (groups running or unsent died with it) are returned
+    to the pool and counted."""
     c, t = run.cluster, run.cluster.trainer
     a2 = c.nodes["a2"]
     healthy_again(run)
     old = a2.must_status()["roles"]["actor"]["incarnation"]
-    assert a2.terminate() == 0
+    a2.kill()  # kill -9: whatever it held dies with it
     c.readdress(a2, 20)
     t_start = time.monotonic()
     run.start_actor(a2)
