@@ -370,3 +370,39 @@ async def test_a_skipped_step_makes_no_version(tiny_model_dir, tmp_path):
             loop_task.cancel()
             await asyncio.gather(loop_task, return_exceptions=True)
         await trainer.shutdown()
+
+
+async def test_the_trainer_waits_while_its_engines_are_more_than_max_lag_behind(tiny_model_dir, tmp_path):
+    """An actor whose pushes never land (it registers an engine and never
+    answers): the trainer steps to max_lag ahead of what the engine holds,
+    then holds its next step (waiting_for_engines) instead of training on
+    and leaving the engine ever further behind. Before: it stepped on every
+    batch, whatever the engines held."""
+    from rlnode.link.actor_link import ActorLink
+    from rlnode.trainer.daemon import TrainerDaemon
+
+    cfg = _trainer_cfg(tiny_model_dir, tmp_path, "trainer.weights.timeout_s=1", "trainer.weights.max_failures=2",
+                       "actor.scheduler.max_lag=1")
+    trainer = TrainerDaemon(cfg)
+    stop, run, hung = asyncio.Event(), None, None
+    try:
+        await trainer.start()
+        run = asyncio.create_task(trainer.run(stop))
+        hung = ActorLink(f"tcp://127.0.0.1:{cfg.trainer.port}", "hung", [(0, 1)], cfg.link)
+        await hung.start()
+        await _until(lambda: trainer.pusher.failures >= 1, 60, "a failed push")
+        for i in range(6):  # three steps' worth, all fresh at version 0 and 1
+            trainer.buffer.put(_stale_group(f"g{i}", 0))
+        await _until(lambda: trainer.waiting_for_engines, 60, "the trainer to hold its step")
+        await asyncio.sleep(3)  # more failed pushes; no step meanwhile
+        assert trainer.version == 1 and trainer.step == 1, (trainer.version, trainer.step)
+        assert trainer.pusher.pushed_version == -1 and trainer.waiting_for_engines
+        assert trainer.status()["waiting_for_engines"] and len(trainer.buffer) == 4
+        assert not trainer.healthy()[0]  # max_failures in a row: red
+    finally:
+        stop.set()
+        if run is not None:
+            await asyncio.gather(run, return_exceptions=True)
+        if hung is not None:
+            await hung.close()
+        await trainer.shutdown()
