@@ -293,6 +293,19 @@ class LinkConfig(_Section):
     # Seconds between heartbeats; a peer silent for peer_timeout_s is gone.
     heartbeat_s: PositiveFloat = 1.0
     peer_timeout_s: PositiveFloat = 10.0
+    # Largest message either end sends or accepts, in bytes (>= 1 MiB). One
+    # group travels as one message, so a group must fit: checked at load
+    # against its largest possible size (attempts x max_turns samples of
+    # model.max_model_len tokens, GROUP_BYTES_PER_* below); a group over it
+    # would be refused by the actor's link and its work lost.
+    max_frame_bytes: Annotated[int, Meta(ge=1 << 20)] = 64 << 20
+    # Seconds without a group before the alarm: an actor (with a trainer)
+    # whose groups stopped reaching its link, a trainer that accepted none
+    # from any actor while actors are connected. Logged as an error
+    # (actor.no_group_alarm, link.trainer.no_group_alarm) and, on the actor,
+    # /healthz answers 503. >= 0; 0 = off. Keep it above the slowest
+    # group plus the longest pause of the trainer (a checkpoint, a push).
+    no_group_alarm_s: Annotated[float, Meta(ge=0)] = 1800.0
 
 
 class ParallelConfig(_Section):
@@ -550,6 +563,45 @@ def _check_cross_field(cfg: Config) -> None:
         raise ConfigError(
             "actor.sampling.max_tokens: must be < model.max_model_len "
             f"({cfg.actor.sampling.max_tokens} >= {cfg.model.max_model_len})"
+        )
+    _check_group_fits_frame(cfg)
+
+
+# Wire size of one sample (rlnode.wire.TrainingSample): prompt ids and
+# completion ids are int32 (4 bytes a token), each completion token also
+# carries a float32 logprob and a uint8 loss mask (9 bytes in all); the
+# fixed part (ids, lease, strings, weight-version spans) stays below
+# GROUP_BYTES_PER_SAMPLE (~390 bytes measured with 60-character group ids
+# and four version spans: tests/test_ledger_bounds.py), and an episode
+# summary below GROUP_BYTES_PER_EPISODE.
+GROUP_BYTES_PER_PROMPT_TOKEN = 4
+GROUP_BYTES_PER_COMPLETION_TOKEN = 9
+GROUP_BYTES_PER_SAMPLE = 1024
+GROUP_BYTES_PER_EPISODE = 512
+
+
+def max_group_bytes(cfg: Config) -> int:
+    """The largest a delivered group can be on the wire: every episode takes
+    max_turns LLM calls, each with a context of max_model_len tokens of
+    which up to max_tokens are completion."""
+    s, m = cfg.actor.scheduler, cfg.model
+    completion = cfg.actor.sampling.max_tokens
+    sample = (GROUP_BYTES_PER_PROMPT_TOKEN * (m.max_model_len - completion)
+              + GROUP_BYTES_PER_COMPLETION_TOKEN * completion + GROUP_BYTES_PER_SAMPLE)
+    return s.attempts * (cfg.actor.episode.max_turns * sample + GROUP_BYTES_PER_EPISODE)
+
+
+def _check_group_fits_frame(cfg: Config) -> None:
+    # A group that does not fit is refused by the actor's link after all
+    # its episodes ran: refuse the config instead.
+    need = max_group_bytes(cfg)
+    if need > cfg.link.max_frame_bytes:
+        raise ConfigError(
+            f"link.max_frame_bytes: a group can be up to {need} bytes (actor.scheduler.attempts = "
+            f"{cfg.actor.scheduler.attempts} x actor.episode.max_turns = {cfg.actor.episode.max_turns} samples "
+            f"of model.max_model_len = {cfg.model.max_model_len} tokens, actor.sampling.max_tokens = "
+            f"{cfg.actor.sampling.max_tokens} of them completion), over link.max_frame_bytes = "
+            f"{cfg.link.max_frame_bytes}; raise link.max_frame_bytes to at least {need} or lower one of those"
         )
 
 

@@ -211,13 +211,13 @@ async def test_slow_actor_does_not_starve_a_fast_one():
         assert await a.wait_connected(5)
         sessions = [await b.credits.acquire() for _ in range(4)]
         for i in range(2):  # two of b's groups finish and are consumed
-            b.submit(group(f"b-slow-g{i:07d}", "b", sessions[i]))
+            b.submit(group(f"b-{b.incarnation}-g{i:07d}", "b", sessions[i]))  # the scheduler's id shape
         await until(lambda: len(trainer.credits.waiting) == 2, 5, "b's groups")
         trainer.release_credits(list(trainer.credits.waiting))
         await until(lambda: a.credits.granted == 2, 5, "the freed credits to go to a")
         for i in range(10):
             session = await asyncio.wait_for(a.credits.acquire(), 5)
-            gid = f"a-fast-g{i:07d}"
+            gid = f"a-{a.incarnation}-g{i:07d}"
             a.submit(group(gid, "a", session))
             await until(lambda: gid in trainer.credits.waiting, 5, "the group to arrive")
             trainer.release_credits([gid])  # consumed by a step

@@ -174,6 +174,7 @@ class RolloutScheduler:
         self.stats = {c: CubeStats() for c in cubes}
         self.eval_stats: dict[str, CubeStats] = {}
         self.started_groups = 0
+        self.groups_failed = 0  # groups lost to an error after admission (their credit given back)
         self.waiting_for_credit = False
         # Indices of groups started and not yet handed to ``out`` or dropped.
         self.in_flight_indices: set[int] = set()
@@ -245,7 +246,25 @@ class RolloutScheduler:
             self.in_flight_indices.discard(index)
 
     async def _play_group(self, ref: CubeTaskRef, index: int, out: asyncio.Queue, session: str) -> None:
+        """Play one admitted group. Its credit leaves exactly one way: the
+        group is handed to ``out`` (which owns it from then on, refusals
+        included), or the credit is given back: dropped episodes, an error,
+        or cancellation (a credit kept by a group that will never arrive
+        would stay in this actor's hands for the rest of the run)."""
         group_id = f"{self.id_prefix}g{index:07d}"
+        settled = False  # handed to `out`, or its credit given back
+        try:
+            settled = await self._play_admitted(ref, group_id, out, session)
+        except BaseException as e:
+            if not settled:
+                self.gate.give_back(session)
+                if not isinstance(e, asyncio.CancelledError):
+                    self.groups_failed += 1
+                    log.error("group.failed", group=group_id, cube=ref.cube_id, task=ref.task_id,
+                              error=repr(e)[:300], total=self.groups_failed)
+            raise
+
+    async def _play_admitted(self, ref: CubeTaskRef, group_id: str, out: asyncio.Queue, session: str) -> bool:
         start_version = self.versions.version
         self.in_flight_groups += 1
         self.max_in_flight_groups = max(self.max_in_flight_groups, self.in_flight_groups)
@@ -262,9 +281,10 @@ class RolloutScheduler:
             self.gate.give_back(session)  # its credit goes back: another group may start
             log.warning("group.dropped", group=group_id, cube=ref.cube_id, task=ref.task_id,
                         failed=sum(r is None for r in results))
-            return
+            return True
         stats.groups += 1
         await out.put(Group(group_id, ref, start_version, results, session))
+        return True
 
     async def _episode_with_retries(self, ref, episode_id, group_id, stats: CubeStats,
                                     settings: EpisodeSettings | None = None) -> EpisodeResult | None:

@@ -10,6 +10,7 @@ through ``controls`` and the daemon answers with ``reply``.
 from __future__ import annotations
 
 import asyncio
+import re
 import secrets
 import time
 from collections import deque
@@ -21,7 +22,7 @@ import zmq
 import zmq.asyncio
 
 from rlnode.config import LinkConfig
-from rlnode.link import DEFAULT_MAX_FRAME_BYTES, LinkError, LinkFatalError, curve, send_nowait
+from rlnode.link import LinkError, LinkFatalError, curve, send_nowait
 from rlnode.log import get_logger
 from rlnode import wire
 from rlnode.wire import (
@@ -110,7 +111,7 @@ class ActorLink:
     def __init__(self, trainer: str, node_id: str, engines: Iterable[EngineInfo | tuple[int, int]] = (),
                  link: LinkConfig | None = None, *, incarnation: str | None = None, curve_key: str | None = None,
                  ack_timeout_s: float | None = None, commit_query_s: float = 30.0,
-                 max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, sndhwm: int = 256, rcvhwm: int = 1024,
+                 max_frame_bytes: int | None = None, sndhwm: int = 256, rcvhwm: int = 1024,
                  stats: Callable[[], dict[str, float]] | None = None, credit_want: int = 0,
                  settled: Callable[[], tuple[str, int]] | None = None):
         if not node_id or "/" in node_id:
@@ -118,6 +119,10 @@ class ActorLink:
         self.trainer = trainer
         self.node_id = node_id
         self.incarnation = incarnation or secrets.token_hex(8)
+        if not re.fullmatch(r"[0-9A-Za-z]{1,64}", self.incarnation):
+            # The trainer refuses it (rlnode.link.trainer_link.INCARNATION): a '-'
+            # would let group-id prefixes of two nodes collide.
+            raise ValueError(f"incarnation must be 1-64 letters and digits: {self.incarnation!r}")
         self.identity = f"{node_id}/{self.incarnation}".encode()
         if len(self.identity) > 255:  # ZeroMQ routing ids are at most 255 bytes
             raise ValueError("node_id + incarnation longer than 255 bytes")
@@ -135,7 +140,8 @@ class ActorLink:
         # likely lost the frame (a reconnect); earlier would resend under load.
         self.ack_timeout_s = ack_timeout_s or self.link.peer_timeout_s
         self.commit_query_s = commit_query_s
-        self.max_frame_bytes = max_frame_bytes
+        # None = link.max_frame_bytes (the config checks that a group fits).
+        self.max_frame_bytes = max_frame_bytes or self.link.max_frame_bytes
         self._hwm = (sndhwm, rcvhwm)
         self._stats_fn = stats
         self.version = 0  # policy version this node's engines hold (set_version)

@@ -44,6 +44,15 @@ The protocol (messages in ``rlnode.wire``):
   the lowest ``in_hands / want``. A fast actor returns its credits (as
   delivered groups) sooner and so is topped up more often; a slow one keeps
   what it holds but cannot take more than its ``want``.
+* What a peer may claim (an authenticated actor is still not trusted with
+  the budget): ``want`` is capped at the budget (``MAX_WANT`` without one),
+  ``started`` at what it was granted, and ``returned`` at the credits it
+  holds (granted - delivered): a peer cannot report back credits it never
+  had to make the ledger think its hands are empty. A delivery of this
+  session counts against its credits only while it has one; more are
+  counted as ``uncredited`` (they still wait in ``waiting``). Each clamp is
+  counted (``clamped_reports``) and logged. So no peer ever holds more than
+  its capped ``want`` credits, whatever it reports.
 * Limits, stated: groups started under an older session (a trainer
   restart), or by an actor that comes back after its credits were
   reclaimed, count only once delivered, so ``outstanding`` can exceed the
@@ -60,7 +69,15 @@ from typing import Callable, Iterable
 
 import msgspec
 
+from rlnode.log import get_logger
 from rlnode.wire import CreditReport
+
+log = get_logger("rlnode.link.credits")
+
+# Largest ``want`` a peer may claim when the ledger has no budget (bare
+# links in tools and tests): ``grant`` loops once per credit it hands out,
+# so an unbounded claim would spin the trainer's event loop for ever.
+MAX_WANT = 4096
 
 
 class PeerCredits(msgspec.Struct):
@@ -96,6 +113,8 @@ class CreditLedger:
         self.granted_total = 0
         self.returned_total = 0
         self.foreign_reports = 0  # reports for another session (stale), ignored
+        self.clamped_reports = 0  # reports that claimed more than the rules allow (see the module doc)
+        self.uncredited = 0  # deliveries of this session by a peer that held no credit
 
     def _counts(self, p: PeerCredits, now: float) -> bool:
         return p.connected or now - p.left_at < self.reclaim_s
@@ -137,12 +156,28 @@ class CreditLedger:
         if p is None or r.session != self.session:
             self.foreign_reports += 1
             return False
-        p.want = max(0, r.want)
-        p.started = max(p.started, r.started)
-        if r.returned > p.returned:
-            self.returned_total += r.returned - p.returned
-            p.returned = r.returned
+        # What an honest actor reports never exceeds these: the trainer
+        # counts a grant before sending it and a delivery only once it came.
+        want = min(max(0, r.want), self.max_want)
+        started = min(r.started, p.granted)
+        returned = min(r.returned, p.granted - p.delivered)
+        if (want, started, returned) != (r.want, r.started, r.returned):
+            self.clamped_reports += 1
+            if self.clamped_reports <= 10 or self.clamped_reports % 1000 == 0:
+                log.warning("credits.report_clamped", peer=peer_id, want=r.want, started=r.started,
+                            returned=r.returned, granted=p.granted, delivered=p.delivered,
+                            max_want=self.max_want, total=self.clamped_reports)
+        p.want = want
+        p.started = max(p.started, started)
+        if returned > p.returned:
+            self.returned_total += returned - p.returned
+            p.returned = returned
         return True
+
+    @property
+    def max_want(self) -> int:
+        """No peer can use more than the whole budget."""
+        return self.budget if self.budget is not None else MAX_WANT
 
     # ---- groups ----------------------------------------------------------------
 
@@ -151,7 +186,10 @@ class CreditLedger:
         for a step; rejected ones give their credit back at once."""
         p = self.peers.get(peer_id)
         if p is not None and session == self.session:
-            p.delivered += 1
+            if p.delivered + p.returned < p.granted:
+                p.delivered += 1
+            else:  # no credit of this session left to spend on it
+                self.uncredited += 1
         if accepted:
             self.waiting.add(group_id)
         self._note()
@@ -189,7 +227,8 @@ class CreditLedger:
     def summary(self) -> dict:
         return {"budget": self.budget if self.budget is not None else -1, "outstanding": self.outstanding(),
                 "waiting": len(self.waiting), "granted": self.granted_total, "returned": self.returned_total,
-                "foreign_reports": self.foreign_reports,
+                "foreign_reports": self.foreign_reports, "clamped_reports": self.clamped_reports,
+                "uncredited": self.uncredited,
                 "peers": {pid: {"connected": p.connected, "want": p.want, "granted": p.granted,
                                 "in_hands": p.in_hands, "delivered": p.delivered, "returned": p.returned}
                           for pid, p in self.peers.items()}}
@@ -243,7 +282,8 @@ class ActorCredits:
         return self.session
 
     def give_back(self, session: str) -> None:
-        if session and session == self.session:
+        # Never more than started: a report beyond it is clamped by the trainer.
+        if session and session == self.session and self.returned < self.started:
             self.returned += 1
             self.report_due = True
 

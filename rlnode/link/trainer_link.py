@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import itertools
+import re
 import secrets
 import time
 from typing import Iterable, Literal
@@ -24,7 +25,7 @@ from zmq.auth.asyncio import AsyncioAuthenticator
 from zmq.utils import z85
 
 from rlnode.config import LinkConfig
-from rlnode.link import DEFAULT_MAX_FRAME_BYTES, LinkError, PeerGone, curve, send_nowait
+from rlnode.link import LinkError, PeerGone, curve, send_nowait
 from rlnode.link.validate import GroupLimits, validate_group
 from rlnode.log import get_logger
 from rlnode.wire import (
@@ -37,6 +38,50 @@ from rlnode.link.consumed import ConsumedIds
 from rlnode.link.credits import CreditLedger
 
 log = get_logger("rlnode.link.trainer")
+
+# What one node may announce in its Register. The weight epoch's world size
+# is 1 + every connected engine's workers, and the trainer waits for that
+# many ranks: an authenticated node that claims thousands of workers would
+# make every epoch time out. The bounds sit far above any real node (a GPU
+# node holds up to 16 GPUs: engines x tensor_parallel_size <= 16).
+MAX_ENGINES_PER_NODE = 64
+MAX_WORKERS_PER_ENGINE = 64  # an engine's tensor-parallel ranks
+MAX_RANKS_PER_NODE = 64  # summed over a node's engines
+MAX_GPUS_PER_ENGINE = 64  # EngineInfo.gpus entries
+# An actor incarnation is a token (ActorLink: hex). Without '-' a group id
+# f"{node}-{incarnation}-g{index}" names exactly one (node, incarnation):
+# a free-form incarnation "x-y" would make node "n" collide with node "n-x".
+INCARNATION = re.compile(r"[0-9A-Za-z]{1,64}")
+# The scheduler's group ids (rlnode.actor.scheduler: f"{prefix}g{index:07d}",
+# prefix f"{node}-{incarnation}-"): the trainer accepts one only from the
+# incarnation it names, so no peer can deliver (and so void) another's ids.
+SCHEDULER_GROUP_ID = re.compile(r"^(.+)-([0-9A-Za-z]{1,64})-g(\d+)$")
+
+
+def register_problem(msg: Register) -> str:
+    """What in an actor's Register breaks the trainer's rules ("" = none)."""
+    if "/" in msg.node_id:
+        return f"node_id {msg.node_id[:80]!r} contains '/'"
+    if not INCARNATION.fullmatch(msg.incarnation):
+        return f"incarnation {msg.incarnation[:80]!r} is not 1-64 letters and digits"
+    engines = msg.engines
+    if len(engines) > MAX_ENGINES_PER_NODE:
+        return f"{len(engines)} engines > {MAX_ENGINES_PER_NODE}"
+    if len({e.engine_id for e in engines}) != len(engines) or any(e.engine_id < 0 for e in engines):
+        return "engine ids must be distinct and >= 0"
+    if any(not 1 <= e.num_workers <= MAX_WORKERS_PER_ENGINE for e in engines):
+        return f"an engine's num_workers outside 1..{MAX_WORKERS_PER_ENGINE}"
+    if (ranks := sum(e.num_workers for e in engines)) > MAX_RANKS_PER_NODE:
+        return f"{ranks} worker ranks > {MAX_RANKS_PER_NODE}"
+    if any(len(e.gpus) > MAX_GPUS_PER_ENGINE for e in engines):
+        return f"an engine lists more than {MAX_GPUS_PER_ENGINE} GPUs"
+    return ""
+
+
+def foreign_group_id(group_id: str, node_id: str, incarnation: str) -> bool:
+    """A scheduler-shaped id that names another node or incarnation."""
+    m = SCHEDULER_GROUP_ID.match(group_id)
+    return m is not None and (m.group(1), m.group(2)) != (node_id, incarnation)
 
 
 class PeerInfo(msgspec.Struct):
@@ -83,7 +128,8 @@ class TrainerLinkCounters(msgspec.Struct):
     peers_joined: int = 0
     peers_left: int = 0
     malformed_by_reason: dict[str, int] = {}
-    invalid_by_reason: dict[str, int] = {}  # rlnode.link.validate reason names, and "node_id"
+    invalid_by_reason: dict[str, int] = {}  # rlnode.link.validate reason names, "node_id" and "group_id"
+    registers_refused: int = 0  # Registers that break register_problem's rules (answered with Reject)
     handler_errors: int = 0  # a message handler raised (a trainer bug): contained, counted, logged
 
 
@@ -128,14 +174,15 @@ class TrainerLink:
     """
 
     def __init__(self, bind: str, link: LinkConfig | None = None, *, version: int = 0,
-                 incarnation: str | None = None, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+                 incarnation: str | None = None, max_frame_bytes: int | None = None,
                  max_buffered_groups: int = 0, sndhwm: int = 1024, rcvhwm: int = 256,
                  credit_budget: int | None = None, limits: GroupLimits | None = None):
         self.bind = bind
         self.link = link or LinkConfig()
         self.incarnation = incarnation or secrets.token_hex(8)
         self.version = version
-        self.max_frame_bytes = max_frame_bytes
+        # None = link.max_frame_bytes (the config checks that a group fits).
+        self.max_frame_bytes = max_frame_bytes or self.link.max_frame_bytes
         self.max_buffered_groups = max_buffered_groups  # 0 = unbounded
         # What a delivered group may contain (rlnode.link.validate); None =
         # only the checks that need no model or config (bare links in tests).
@@ -167,6 +214,10 @@ class TrainerLink:
         # Listening beyond loopback without authentication (link.insecure).
         self.insecure = False
         self._tasks: list[asyncio.Task] = []
+        # The no-group alarm (link.no_group_alarm_s): monotonic time of the
+        # last accepted group, or of the last tick with no actor connected.
+        self.last_group_at = time.monotonic()
+        self._alarmed = False
 
     # ---- lifecycle -------------------------------------------------------
 
@@ -313,6 +364,28 @@ class TrainerLink:
         self.credits.release(group_ids)
         self._grant()
 
+    def starved(self) -> str:
+        """'' unless actors are connected and none delivered a group for
+        link.no_group_alarm_s (leaked credits, every group lost, a stuck
+        actor): the trainer's /healthz should report it."""
+        limit = self.link.no_group_alarm_s
+        idle = time.monotonic() - self.last_group_at
+        if not limit or idle < limit or not self._connected():
+            return ""
+        return (f"no group accepted for {idle:.0f} s (link.no_group_alarm_s = {limit:g}) from "
+                f"{len(self._connected())} connected actors; credits: {self.credits.outstanding()} outstanding "
+                f"of {self.credits.budget}, {len(self.credits.waiting)} waiting")
+
+    def _watch_groups(self, now: float) -> None:
+        if not self._connected():
+            self.last_group_at = now  # the clock starts when an actor is there to deliver
+        why = self.starved()
+        if why and not self._alarmed:
+            log.error("link.trainer.no_group_alarm", detail=why)
+        elif self._alarmed and not why:
+            log.info("link.trainer.no_group_alarm_cleared", groups=self.counters.groups_accepted)
+        self._alarmed = bool(why)
+
     def set_version(self, version: int) -> None:
         """The policy version moved: tell every connected actor."""
         self.version = version
@@ -430,6 +503,10 @@ class TrainerLink:
                                     f"actor speaks {msg.protocol_version}, trainer {PROTOCOL_VERSION}")
         if not msg.node_id or peer_id != f"{msg.node_id}/{msg.incarnation}":
             return self._unexpected(peer_id, REJECT_IDENTITY, f"socket identity {peer_id!r}")
+        if problem := register_problem(msg):
+            # Fatal for the actor (a config or a hostile peer: retrying cannot help).
+            self.counters.registers_refused += 1
+            return self._unexpected(peer_id, REJECT_PROTOCOL, f"register refused: {problem}")
         if self._keyring is not None and not self._still_authorized(msg.node_id):
             return self._unexpected(peer_id, REJECT_IDENTITY, f"key {msg.node_id!r} is no longer authorized")
         old = self._peers.get(peer_id)
@@ -457,11 +534,12 @@ class TrainerLink:
 
     def _on_group(self, peer: PeerInfo, g: GroupDelivery) -> None:
         c, gid = self.counters, g.group_id
-        if g.node_id != peer.node_id:
+        if g.node_id != peer.node_id or foreign_group_id(gid, peer.node_id, peer.incarnation):
             # Not marked consumed: the id may be another node's real group.
+            reason = "node_id" if g.node_id != peer.node_id else "group_id"
             c.invalid_groups += 1
-            c.invalid_by_reason["node_id"] = c.invalid_by_reason.get("node_id", 0) + 1
-            return self._unexpected(peer.peer_id, REJECT_INVALID_GROUP, f"node_id {g.node_id!r}", [gid])
+            c.invalid_by_reason[reason] = c.invalid_by_reason.get(reason, 0) + 1
+            return self._unexpected(peer.peer_id, REJECT_INVALID_GROUP, f"{reason} of another sender", [gid])
         if gid in self._consumed or gid in self._buffered:
             self._on_duplicate(peer, gid)
             return
@@ -475,6 +553,7 @@ class TrainerLink:
             self._send(peer.peer_id, Reject(REJECT_BUSY, f"{len(self._buffered)} groups buffered", [gid]))
             return
         self._buffered[gid] = peer.peer_id
+        self.last_group_at = time.monotonic()
         self.credits.on_delivered(peer.peer_id, g.credit_session, gid, accepted=True)
         c.groups_accepted += 1
         c.samples_accepted += len(g.samples)
@@ -586,6 +665,7 @@ class TrainerLink:
                 if now - self._seen.get(p.peer_id, now) > self.link.peer_timeout_s:
                     self._leave(p, "timeout")
             self._drop_revoked()
+            self._watch_groups(now)
             stats = {"buffered": float(len(self._buffered)), "consumed": float(len(self._consumed))}
             self._grant()
             for p in self._connected():
