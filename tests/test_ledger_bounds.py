@@ -377,3 +377,51 @@ async def test_an_actor_refused_for_its_engines_stops_with_the_reason():
     finally:
         await actor.close()
         await trainer.close()
+
+
+# ---- shutdown vs. a push in flight ------------------------------------------------------
+
+
+def test_closing_the_weight_group_waits_for_a_broadcast_in_flight(monkeypatch):
+    """The trainer's shutdown closes the group from its own thread, outside
+    the pusher's lock; a push thread may still be broadcasting. The close
+    must wait for it, not tear the communicator down under it."""
+    import threading
+
+    import torch
+
+    import rlnode.trainer.weights as W
+    from rlnode.config import WeightSyncConfig
+
+    class Comm:
+        def __init__(self):
+            self.events, self.sending, self.release = [], threading.Event(), threading.Event()
+            self.spec = types.SimpleNamespace(epoch=1)
+
+        def broadcast(self, buf):
+            self.events.append("broadcast")
+            self.sending.set()
+            self.release.wait(10)
+            self.events.append("broadcast done")
+
+        def close(self):
+            self.events.append("close")
+
+    monkeypatch.setattr(W, "agree_on_plan", lambda comm, digest, reject: 0)
+    bc = W.WeightBroadcaster(WeightSyncConfig(backend="gloo"), master_host="127.0.0.1")
+    comm = bc._comm = Comm()
+    bc.spec = types.SimpleNamespace(epoch=1, backend="gloo")
+    tensors = [("w", torch.ones(4))]
+    plan = bc.plan(tensors, version=3)
+    push = threading.Thread(target=bc.broadcast, args=(plan, tensors))
+    push.start()
+    assert comm.sending.wait(5)
+    closer = threading.Thread(target=bc.close_group)
+    closer.start()
+    closer.join(0.3)
+    assert closer.is_alive() and comm.events == ["broadcast"]  # waiting, not closing under the push
+    comm.release.set()
+    push.join(5)
+    closer.join(5)
+    assert not push.is_alive() and not closer.is_alive()
+    assert comm.events == ["broadcast", "broadcast done", "close"] and bc._comm is None

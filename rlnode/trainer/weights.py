@@ -217,6 +217,14 @@ class WeightBroadcaster:
         # so no one else takes the port in between.
         self._reserved: dict[int, socket.socket] = {}
         self._pack_buf: torch.Tensor | None = None
+        # Held by open_group, broadcast and close_group: the group is never
+        # closed under a broadcast. The daemon's shutdown closes it from its
+        # own thread, outside the pusher's lock, while a push thread may
+        # still be sending (a to_thread call cannot be cancelled); closing
+        # then waits for that broadcast to end (or time out) instead of
+        # tearing the communicator down under it. Reentrant: open_group
+        # closes the previous epoch first.
+        self._group_lock = threading.RLock()
 
     # -- epochs ------------------------------------------------------------
 
@@ -294,6 +302,10 @@ class WeightBroadcaster:
         if spec.epoch != self.epoch or spec.epoch not in self._reserved:
             raise PlanMismatch(f"open_group: epoch {spec.epoch} is not the planned epoch {self.epoch}")
         secret_key(spec)  # no unauthenticated epoch: raises RendezvousError without a secret
+        with self._group_lock:
+            self._open_group(spec)
+
+    def _open_group(self, spec: GroupSpec) -> None:
         self.close_group()
         t0 = time.monotonic()
         sock = self._reserved.pop(spec.epoch)
@@ -310,13 +322,15 @@ class WeightBroadcaster:
                  world_size=spec.world_size, backend=spec.backend, open_s=round(time.monotonic() - t0, 3))
 
     def close_group(self) -> None:
-        if self._comm is None:
-            return
-        comm, self._comm = self._comm, None
-        try:
-            comm.close()
-        finally:
-            log.info("weights.group_closed", epoch=comm.spec.epoch)
+        """Blocking: waits for a broadcast in flight (see ``_group_lock``)."""
+        with self._group_lock:
+            if self._comm is None:
+                return
+            comm, self._comm = self._comm, None
+            try:
+                comm.close()
+            finally:
+                log.info("weights.group_closed", epoch=comm.spec.epoch)
 
     # -- updates -----------------------------------------------------------
 
@@ -336,6 +350,10 @@ class WeightBroadcaster:
         broadcast per bucket. Raises PlanMismatch when a receiver rejected the
         plan (nothing was sent; the group stays usable), TransferError when
         the group failed (the epoch is unusable)."""
+        with self._group_lock:
+            return self._broadcast(plan, tensors)
+
+    def _broadcast(self, plan: WeightUpdatePlan, tensors: Iterable[tuple[str, torch.Tensor]]) -> BroadcastStats:
         comm = self._usable_comm(plan)
         # Consumed lazily, bucket by bucket: with FSDP ranks each item is a
         # full tensor gathered on demand, so rank 0 never holds the whole
