@@ -4,11 +4,13 @@ show whatever the machine: groups flow, none is lost, the credit budget
 holds, fairness is an index. No timing threshold: this host's timings say
 nothing."""
 
+import subprocess
+import sys
+
 import msgspec
 import pytest
 
 from rlnode.bench.link_scale import LinkScaleResult, jain, print_table
-from rlnode.cli import main
 
 
 def test_jain_index():
@@ -19,10 +21,14 @@ def test_jain_index():
 
 
 def test_bench_link_tiny(capsys):
-    rc = main(["--log-level", "warning", "bench", "link", "--actors", "1,4", "--seconds", "1",
-               "--groups-per-step", "8", "--max-lag", "1", "--json"])
-    out = capsys.readouterr().out
-    assert rc == 0
+    # In its own process, as users run it: the CLI sets up logging for the
+    # whole process (in this one it would bind to pytest's captured stderr,
+    # closed after the test, and break every later test's log lines).
+    done = subprocess.run([sys.executable, "-m", "rlnode", "--log-level", "warning", "bench", "link",
+                           "--actors", "1,4", "--seconds", "1", "--groups-per-step", "8", "--max-lag", "1",
+                           "--json"], capture_output=True, text=True, timeout=300)
+    out = done.stdout
+    assert done.returncode == 0, done.stderr[-2000:]
     res = msgspec.json.decode(out, type=LinkScaleResult)  # stdout is exactly one JSON object
     assert [r.actors for r in res.rows] == [1, 4]
     assert (res.groups_per_step, res.max_lag, res.attempts, res.turns) == (8, 1, 8, 3)
