@@ -406,3 +406,30 @@ async def test_the_trainer_waits_while_its_engines_are_more_than_max_lag_behind(
         if hung is not None:
             await hung.close()
         await trainer.shutdown()
+
+
+async def test_connected_actors_that_deliver_nothing_turn_the_trainer_red_but_not_its_watchdog(tiny_model_dir,
+                                                                                             tmp_path):
+    """link.no_group_alarm_s: an actor connected (no engines, so no pushes
+    to fail) and no group for the alarm's time: /healthz red with the
+    reason, but a trainer restart would not make the actor deliver, so the
+    watchdog is not told to restart it."""
+    from rlnode.link.actor_link import ActorLink
+    from rlnode.trainer.daemon import TrainerDaemon
+
+    cfg = _trainer_cfg(tiny_model_dir, tmp_path, "link.no_group_alarm_s=1", "link.heartbeat_s=0.2")
+    trainer = TrainerDaemon(cfg)
+    idle = None
+    try:
+        await trainer.start()
+        assert trainer.healthy() == (True, "") and not trainer.restart_would_help()
+        idle = ActorLink(f"tcp://127.0.0.1:{cfg.trainer.port}", "idle", [], cfg.link)
+        await idle.start()
+        await _until(lambda: not trainer.healthy()[0], 30, "the no-group alarm")
+        ok, why = trainer.healthy()
+        assert "no group accepted for" in why and "link.no_group_alarm_s = 1" in why, why
+        assert not trainer.restart_would_help()
+    finally:
+        if idle is not None:
+            await idle.close()
+        await trainer.shutdown()

@@ -350,18 +350,23 @@ class TrainerDaemon:
     # -- observability (read by rlnode.ops.http; never changes state) ---------------
 
     def healthy(self) -> tuple[bool, str]:
-        if self.learner is None or self.link is None or not self.link.endpoint or self.pusher is None:
-            return False, "starting"
-        if why := self.pusher.health():
+        if why := self._own_fault():
             return False, why
-        if why := self._stalled():
+        if why := self.link.starved():  # connected actors, no group for link.no_group_alarm_s
             return False, why
         return True, ""
 
+    def _own_fault(self) -> str:
+        if self.learner is None or self.link is None or not self.link.endpoint or self.pusher is None:
+            return "starting"
+        return self.pusher.health() or self._stalled()
+
     def restart_would_help(self) -> bool:
-        """Every trainer fault is its own (a push that keeps failing, a
-        stuck loop): the systemd watchdog restarts it."""
-        return not self.healthy()[0]
+        """For the systemd watchdog: the trainer's own faults (still
+        starting, pushes that keep failing, a stuck loop). Actors connected
+        but delivering nothing turn /healthz red too, but a trainer restart
+        does not make them deliver."""
+        return bool(self._own_fault())
 
     def _stalled(self) -> str:
         """'' unless a batch's worth of groups is waiting and no optimizer
