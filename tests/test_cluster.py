@@ -355,7 +355,9 @@ def test_actor_new_address(run):
     # The old incarnation's account is gone (its credits back in the pool).
     assert not [p for p in credits["peers"] if p.startswith("a2/") and old in p], credits["peers"]
     assert credits["outstanding"] <= credits["budget"]
-    report("actor_new_address", rejoin_s=round(rejoined, 1), groups_lost=lost_groups(run),
+    assert credits["reclaimed"] > 0  # it died holding credits (groups running): back in the pool
+    report("actor_new_address", rejoin_s=round(rejoined, 1), credits_reclaimed=credits["reclaimed"],
+           groups_lost=lost_groups(run),
            groups_duplicated=len(duplicated_groups(run.run_dir)))
     assert lost_groups(run) == 0 and not duplicated_groups(run.run_dir)
 

@@ -115,6 +115,15 @@ class CreditLedger:
         self.foreign_reports = 0  # reports for another session (stale), ignored
         self.clamped_reports = 0  # reports that claimed more than the rules allow (see the module doc)
         self.uncredited = 0  # deliveries of this session by a peer that held no credit
+        # Credits in the hands of incarnations that died (replaced by a new
+        # one of their node): groups running or unsent died with them; the
+        # credits went back to the pool.
+        self.reclaimed = 0
+        # Something grant() reads changed since it last ran. An actor repeats
+        # its report every heartbeat; re-running grant (a walk over every
+        # peer) for each unchanged one cost the trainer O(N^2) per heartbeat
+        # period: a full core at 1,024 actors (rlnode bench link).
+        self._dirty = True
 
     def _counts(self, p: PeerCredits, now: float) -> bool:
         return p.connected or now - p.left_at < self.reclaim_s
@@ -136,6 +145,7 @@ class CreditLedger:
     def peer_joined(self, peer_id: str) -> None:
         """Registered (new, or the same incarnation back after a timeout)."""
         self.peers.setdefault(peer_id, PeerCredits(peer_id)).connected = True
+        self._dirty = True
         self._note()
 
     def peer_left(self, peer_id: str) -> None:
@@ -145,10 +155,18 @@ class CreditLedger:
         p = self.peers.get(peer_id)
         if p is not None and p.connected:
             p.connected, p.left_at = False, time.monotonic()
+            self._dirty = True
 
     def forget(self, peer_id: str) -> None:
-        """Replaced by a new incarnation of its node: that process is gone."""
-        self.peers.pop(peer_id, None)
+        """Replaced by a new incarnation of its node: that process is gone,
+        and the groups it was running or had not sent with it. Its credits
+        return to the pool (counted in ``reclaimed``)."""
+        p = self.peers.pop(peer_id, None)
+        if p is not None:
+            self._dirty = True
+            if p.in_hands:
+                self.reclaimed += p.in_hands
+                log.info("credits.reclaimed", peer=peer_id, credits=p.in_hands, total=self.reclaimed)
 
     def on_report(self, peer_id: str, r: CreditReport) -> bool:
         """Apply an actor's report; False if it was for another session."""
@@ -167,6 +185,8 @@ class CreditLedger:
                 log.warning("credits.report_clamped", peer=peer_id, want=r.want, started=r.started,
                             returned=r.returned, granted=p.granted, delivered=p.delivered,
                             max_want=self.max_want, total=self.clamped_reports)
+        if want != p.want or returned > p.returned:
+            self._dirty = True
         p.want = want
         p.started = max(p.started, started)
         if returned > p.returned:
@@ -192,23 +212,32 @@ class CreditLedger:
                 self.uncredited += 1
         if accepted:
             self.waiting.add(group_id)
+        self._dirty = True
         self._note()
 
     def hold(self, group_ids: Iterable[str]) -> None:
         """Groups the trainer holds that came another way (restored from a
         checkpoint): they count until released."""
         self.waiting.update(group_ids)
+        self._dirty = True
         self._note()
 
     def release(self, group_ids: Iterable[str]) -> None:
         """Consumed by a step (trained, skipped or stale) or dropped: free."""
         self.waiting.difference_update(group_ids)
+        self._dirty = True
 
     # ---- granting ----------------------------------------------------------
 
-    def grant(self) -> list[PeerCredits]:
+    def grant(self, force: bool = False) -> list[PeerCredits]:
         """Hand out what the budget has free, by demand; returns the peers
-        whose grant grew (the link sends them ``CreditGrant``)."""
+        whose grant grew (the link sends them ``CreditGrant``). Without
+        ``force``, nothing is done unless an event changed the ledger since
+        the last grant; ``force`` (the link's heartbeat tick) also catches
+        credits freed by time alone (a timed-out peer's ``reclaim_s``)."""
+        if not (force or self._dirty):
+            return []
+        self._dirty = False
         live = [p for p in self.peers.values() if p.connected and p.want > 0]
         free = (self.budget - self.outstanding()) if self.budget is not None else sum(p.want for p in live)
         changed: dict[str, PeerCredits] = {}
@@ -228,7 +257,7 @@ class CreditLedger:
         return {"budget": self.budget if self.budget is not None else -1, "outstanding": self.outstanding(),
                 "waiting": len(self.waiting), "granted": self.granted_total, "returned": self.returned_total,
                 "foreign_reports": self.foreign_reports, "clamped_reports": self.clamped_reports,
-                "uncredited": self.uncredited,
+                "uncredited": self.uncredited, "reclaimed": self.reclaimed,
                 "peers": {pid: {"connected": p.connected, "want": p.want, "granted": p.granted,
                                 "in_hands": p.in_hands, "delivered": p.delivered, "returned": p.returned}
                           for pid, p in self.peers.items()}}

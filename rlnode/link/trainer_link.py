@@ -667,7 +667,7 @@ class TrainerLink:
             self._drop_revoked()
             self._watch_groups(now)
             stats = {"buffered": float(len(self._buffered)), "consumed": float(len(self._consumed))}
-            self._grant()
+            self._grant(force=True)
             for p in self._connected():
                 self._send(p.peer_id, Heartbeat("trainer", self.version, stats))
                 pc = self.credits.peers.get(p.peer_id)
@@ -707,8 +707,8 @@ class TrainerLink:
 
     # ---- sending ---------------------------------------------------------
 
-    def _grant(self) -> None:
-        for pc in self.credits.grant():
+    def _grant(self, force: bool = False) -> None:
+        for pc in self.credits.grant(force):
             if pc.peer_id in self._peers and self._peers[pc.peer_id].connected:
                 self._send(pc.peer_id, CreditGrant(self.incarnation, pc.granted))
 
