@@ -144,12 +144,17 @@ def _trainer_proc(conn, link: LinkConfig) -> None:
 async def _rlnode_round(groups: list[GroupDelivery], link: LinkConfig, conn, endpoint: str, tag: str) -> float:
     from rlnode.link import ActorLink
 
-    # Fresh group ids per round: the trainer would drop repeats as duplicates.
-    groups = [msgspec.structs.replace(g, group_id=f"{tag}-{g.group_id}",
-                                      samples=[msgspec.structs.replace(s, group_id=f"{tag}-{g.group_id}")
-                                               for s in g.samples]) for g in groups]
+    # Fresh group ids per round (the trainer would drop repeats as
+    # duplicates), in the scheduler's shape for this sender: the trainer
+    # refuses an id that names another node or incarnation.
+    def own(i: int) -> str:
+        return f"bench-{tag}-g{i:07d}"
+
+    groups = [msgspec.structs.replace(g, group_id=own(i), node_id="bench",
+                                      samples=[msgspec.structs.replace(s, group_id=own(i)) for s in g.samples])
+              for i, g in enumerate(groups)]
     n = sum(len(g.samples) for g in groups)
-    async with ActorLink(endpoint, "bench", [(0, 1)], link) as actor:
+    async with ActorLink(endpoint, "bench", [(0, 1)], link, incarnation=tag) as actor:
         if not await actor.wait_connected(30):
             raise RuntimeError("benchmark actor could not register with its trainer")
         conn.send(n)
