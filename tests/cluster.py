@@ -36,10 +36,9 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
-from daemons import ROOT
+from daemons import ROOT, wait_for_status
 
 CLONE_NEWNET = 0x40000000
 SUBNET = "10.213.0"  # exists only inside the cluster's namespaces
@@ -188,19 +187,7 @@ class Node:
 
     def wait(self, pred, timeout: float, what: str):
         """Poll /status until ``pred(status)`` is truthy; returns its value."""
-        deadline = time.monotonic() + timeout
-        st = None
-        while time.monotonic() < deadline:
-            if not self.alive():
-                raise AssertionError(f"{self.name} exited ({self.proc and self.proc.returncode}) waiting for "
-                                     f"{what}:\n{self.log_path.read_text()[-3000:] if self.log_path else ''}")
-            st = self.status()
-            if st is not None:
-                value = pred(st)
-                if value:
-                    return value
-            time.sleep(0.5)
-        raise AssertionError(f"{self.name}: timed out after {timeout:.0f} s waiting for {what}; status={st}")
+        return wait_for_status(self, pred, timeout, what)
 
 
 class Cluster:

@@ -47,18 +47,28 @@ class Daemon:
         return out
 
     def wait(self, pred, timeout: float, what: str):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"{self.name} exited ({self.proc.returncode}) waiting for {what}:\n"
-                                     f"{self.log_path.read_text()[-3000:]}")
-            st = self.status()
-            if st is not None:
-                value = pred(st)
-                if value:
-                    return value
-            time.sleep(0.5)
-        raise AssertionError(f"{self.name}: timed out waiting for {what}; status={self.status()}")
+        return wait_for_status(self, pred, timeout, what)
+
+
+def wait_for_status(daemon, pred, timeout: float, what: str):
+    """Poll ``daemon.status()`` until ``pred(status)`` is truthy and return
+    that value; AssertionError (with the log's tail) if the daemon exits,
+    or when ``timeout`` passes. ``daemon``: a ``name``, a ``proc``, a
+    ``log_path`` and a ``status()``."""
+    deadline = time.monotonic() + timeout
+    st = None
+    while time.monotonic() < deadline:
+        if daemon.proc is None or daemon.proc.poll() is not None:
+            code = daemon.proc.returncode if daemon.proc is not None else None
+            tail = daemon.log_path.read_text()[-3000:] if daemon.log_path else ""
+            raise AssertionError(f"{daemon.name} exited ({code}) waiting for {what}:\n{tail}")
+        st = daemon.status()
+        if st is not None:
+            value = pred(st)
+            if value:
+                return value
+        time.sleep(0.5)
+    raise AssertionError(f"{daemon.name}: timed out after {timeout:.0f} s waiting for {what}; status={st}")
 
     def terminate(self, timeout: float = 60) -> int:
         if self.proc.poll() is None:

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import json
 import random
@@ -295,6 +296,24 @@ async def _until(cond, timeout: float, what: str) -> None:
         await asyncio.sleep(0.05)
 
 
+@contextlib.asynccontextmanager
+async def _train_loop(trainer):
+    """The daemon's own train loop over its buffer (no actor, no engine),
+    stopped and the trainer shut down on the way out."""
+    stop = asyncio.Event()
+    loop_task = None
+    try:
+        await trainer.start()
+        loop_task = asyncio.create_task(trainer._train_loop(stop))
+        yield trainer
+    finally:
+        stop.set()
+        if loop_task is not None:
+            loop_task.cancel()
+            await asyncio.gather(loop_task, return_exceptions=True)
+        await trainer.shutdown()
+
+
 async def test_a_batch_with_nothing_to_train_on_makes_no_version(tiny_model_dir, tmp_path):
     """Every sample of the batch is older than max_lag: the groups are
     consumed (recorded, credits back) but no step runs and no version is
@@ -303,14 +322,10 @@ async def test_a_batch_with_nothing_to_train_on_makes_no_version(tiny_model_dir,
     from rlnode.trainer.daemon import TrainerDaemon
 
     trainer = TrainerDaemon(_trainer_cfg(tiny_model_dir, tmp_path, "actor.scheduler.max_lag=1"))
-    stop = asyncio.Event()
-    loop_task = None
-    try:
-        await trainer.start()
-        trainer.version = trainer.pusher.guard.version = 3  # samples of version 0 are 3 behind
-        trainer.buffer.put(_stale_group("g1", 0))
-        trainer.buffer.put(_stale_group("g2", 0))
-        loop_task = asyncio.create_task(trainer._train_loop(stop))
+    trainer.version = 3  # samples of version 0 are 3 behind (start() hands it to the guard)
+    trainer.buffer.put(_stale_group("g1", 0))
+    trainer.buffer.put(_stale_group("g2", 0))
+    async with _train_loop(trainer):
         await _until(lambda: trainer.pending_commit, 30, "the stale batch to be consumed")
         assert (trainer.version, trainer.step, trainer.pusher.guard.version) == (3, 0, 3)
         assert trainer.empty_batches == 1
@@ -324,12 +339,6 @@ async def test_a_batch_with_nothing_to_train_on_makes_no_version(tiny_model_dir,
         trainer.buffer.put(_stale_group("g4", 2))
         await _until(lambda: trainer.step == 1, 60, "a step on fresh samples")
         assert trainer.version == trainer.pusher.guard.version == 4
-    finally:
-        stop.set()
-        if loop_task is not None:
-            loop_task.cancel()
-            await asyncio.gather(loop_task, return_exceptions=True)
-        await trainer.shutdown()
 
 
 async def test_a_skipped_step_makes_no_version(tiny_model_dir, tmp_path):
@@ -342,21 +351,17 @@ async def test_a_skipped_step_makes_no_version(tiny_model_dir, tmp_path):
     from rlnode.wire import pack_f32
 
     trainer = TrainerDaemon(_trainer_cfg(tiny_model_dir, tmp_path))
-    stop = asyncio.Event()
-    loop_task = None
-    try:
-        await trainer.start()
-        real_step = trainer.learner.train_step
+    trainer.buffer.put(_stale_group("g1", 0))
+    trainer.buffer.put(_stale_group("g2", 0))
+    real_step = None
 
-        def nonfinite(batch):  # the real step, made to see a NaN loss
-            batch.samples = [msgspec.structs.replace(s, logprobs=pack_f32([float("nan")] * (len(s.logprobs) // 4)))
-                             for s in batch.samples]
-            return real_step(batch)
+    def nonfinite(batch):  # the real step, made to see a NaN loss
+        batch.samples = [msgspec.structs.replace(s, logprobs=pack_f32([float("nan")] * (len(s.logprobs) // 4)))
+                         for s in batch.samples]
+        return real_step(batch)
 
-        trainer.learner.train_step = nonfinite
-        trainer.buffer.put(_stale_group("g1", 0))
-        trainer.buffer.put(_stale_group("g2", 0))
-        loop_task = asyncio.create_task(trainer._train_loop(stop))
+    async with _train_loop(trainer):
+        real_step, trainer.learner.train_step = trainer.learner.train_step, nonfinite
         await _until(lambda: trainer.learner.skipped_steps == 1 and trainer.pending_commit, 60, "a skipped step")
         assert (trainer.version, trainer.pusher.guard.version, trainer.step) == (0, 0, 0)
         trainer.learner.train_step = real_step
@@ -364,12 +369,6 @@ async def test_a_skipped_step_makes_no_version(tiny_model_dir, tmp_path):
         trainer.buffer.put(_stale_group("g4", 0))
         await _until(lambda: trainer.step == 1, 60, "a real step")
         assert trainer.version == trainer.pusher.guard.version == 1
-    finally:
-        stop.set()
-        if loop_task is not None:
-            loop_task.cancel()
-            await asyncio.gather(loop_task, return_exceptions=True)
-        await trainer.shutdown()
 
 
 async def test_the_trainer_waits_while_its_engines_are_more_than_max_lag_behind(tiny_model_dir, tmp_path):
