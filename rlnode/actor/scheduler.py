@@ -175,6 +175,7 @@ class RolloutScheduler:
         self.eval_stats: dict[str, CubeStats] = {}
         self.started_groups = 0
         self.groups_failed = 0  # groups lost to an error after admission (their credit given back)
+        self.groups_cancelled = 0  # groups cancelled mid-play (a stop): their credit given back too
         self.waiting_for_credit = False
         # Indices of groups started and not yet handed to ``out`` or dropped.
         self.in_flight_indices: set[int] = set()
@@ -258,7 +259,9 @@ class RolloutScheduler:
         except BaseException as e:
             if not settled:
                 self.gate.give_back(session)
-                if not isinstance(e, asyncio.CancelledError):
+                if isinstance(e, asyncio.CancelledError):
+                    self.groups_cancelled += 1
+                else:
                     self.groups_failed += 1
                     log.error("group.failed", group=group_id, cube=ref.cube_id, task=ref.task_id,
                               error=repr(e)[:300], total=self.groups_failed)
