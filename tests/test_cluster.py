@@ -155,7 +155,7 @@ def test_no_fault(run):
     """Both hosts join every push; no step trains on nothing."""
     t = run.cluster.trainer
     t0 = time.monotonic()
-    run.steps_after(0, 6, 600, "6 versions with two actor hosts")
+    run.steps_after(0, 4, 600, "4 versions with two actor hosts")
     v = run.version()
     run.all_actors_at(v - 1, 120)
     pushed = t.events("weights.pushed")
