@@ -208,42 +208,63 @@ def _healthz(port: int) -> tuple[int, dict]:
         return e.code, json.loads(e.read())
 
 
-async def test_pushes_that_keep_failing_turn_healthz_red(tiny_model_dir, tmp_path):
-    """An actor that registers with one engine but never answers a control
-    request: each push's rendezvous times out, is retried with backoff, and
-    after max_failures /healthz answers 503 with the reason."""
-    from rlnode.link.actor_link import ActorLink
-    from rlnode.ops.http import OpsServer
+@contextlib.asynccontextmanager
+async def _trainer_running(cfg):
+    """The trainer daemon running (no engine of its own), stopped and shut
+    down on the way out; yields (trainer, its run task)."""
     from rlnode.trainer.daemon import TrainerDaemon
 
-    cfg = _trainer_cfg(tiny_model_dir, tmp_path, "trainer.weights.timeout_s=1.5", "trainer.weights.max_failures=2")
-    trainer, http = TrainerDaemon(cfg), free_port()
-    ops = OpsServer([trainer], "127.0.0.1", http)
-    stop, run, hung = asyncio.Event(), None, None
+    trainer, stop, run = TrainerDaemon(cfg), asyncio.Event(), None
     try:
         await trainer.start()
-        await ops.start()
         run = asyncio.create_task(trainer.run(stop))
-        assert await asyncio.to_thread(_healthz, http) == (200, {"ok": True, "reasons": {}})
-        hung = ActorLink(f"tcp://127.0.0.1:{cfg.trainer.port}", "hung", [(0, 1)], cfg.link)
-        await hung.start()
-        t0 = time.monotonic()
-        while (status := await asyncio.to_thread(_healthz, http))[0] == 200:
-            assert time.monotonic() - t0 < 60, "healthz stayed green"
-            await asyncio.sleep(0.3)
-        code, body = status
-        why = body["reasons"]["trainer"]
-        assert code == 503 and "weight push failed 2 times in a row" in why and "rendezvous failed" in why, body
-        assert trainer.pusher.pushes == 0 and trainer.pusher.failures == 2
-        assert not run.done()  # unhealthy, not dead: systemd's watchdog decides
+        yield trainer, run
     finally:
         stop.set()
         if run is not None:
             await asyncio.gather(run, return_exceptions=True)
-        if hung is not None:
-            await hung.close()
         await trainer.shutdown()
-        await ops.close()
+
+
+@contextlib.asynccontextmanager
+async def _hung_actor(cfg):
+    """An actor that registers one engine and never answers a control
+    request: every push to it times out."""
+    from rlnode.link.actor_link import ActorLink
+
+    hung = ActorLink(f"tcp://127.0.0.1:{cfg.trainer.port}", "hung", [(0, 1)], cfg.link)
+    try:
+        await hung.start()
+        yield hung
+    finally:
+        await hung.close()
+
+
+async def test_pushes_that_keep_failing_turn_healthz_red(tiny_model_dir, tmp_path):
+    """An actor that registers with one engine but never answers a control
+    request: each push's rendezvous times out, is retried with backoff, and
+    after max_failures /healthz answers 503 with the reason."""
+    from rlnode.ops.http import OpsServer
+
+    cfg = _trainer_cfg(tiny_model_dir, tmp_path, "trainer.weights.timeout_s=1.5", "trainer.weights.max_failures=2")
+    http = free_port()
+    async with _trainer_running(cfg) as (trainer, run):
+        ops = OpsServer([trainer], "127.0.0.1", http)
+        try:
+            await ops.start()
+            assert await asyncio.to_thread(_healthz, http) == (200, {"ok": True, "reasons": {}})
+            async with _hung_actor(cfg):
+                t0 = time.monotonic()
+                while (status := await asyncio.to_thread(_healthz, http))[0] == 200:
+                    assert time.monotonic() - t0 < 60, "healthz stayed green"
+                    await asyncio.sleep(0.3)
+                code, body = status
+                why = body["reasons"]["trainer"]
+                assert code == 503 and "weight push failed 2 times in a row" in why and "rendezvous failed" in why, body
+                assert trainer.pusher.pushes == 0 and trainer.pusher.failures == 2
+                assert not run.done()  # unhealthy, not dead: systemd's watchdog decides
+        finally:
+            await ops.close()
 
 
 async def test_groups_waiting_without_a_step_turn_health_red(tiny_model_dir, tmp_path):
@@ -377,18 +398,9 @@ async def test_the_trainer_waits_while_its_engines_are_more_than_max_lag_behind(
     then holds its next step (waiting_for_engines) instead of training on
     and leaving the engine ever further behind. Before: it stepped on every
     batch, whatever the engines held."""
-    from rlnode.link.actor_link import ActorLink
-    from rlnode.trainer.daemon import TrainerDaemon
-
     cfg = _trainer_cfg(tiny_model_dir, tmp_path, "trainer.weights.timeout_s=1", "trainer.weights.max_failures=2",
                        "actor.scheduler.max_lag=1")
-    trainer = TrainerDaemon(cfg)
-    stop, run, hung = asyncio.Event(), None, None
-    try:
-        await trainer.start()
-        run = asyncio.create_task(trainer.run(stop))
-        hung = ActorLink(f"tcp://127.0.0.1:{cfg.trainer.port}", "hung", [(0, 1)], cfg.link)
-        await hung.start()
+    async with _trainer_running(cfg) as (trainer, _run), _hung_actor(cfg):
         await _until(lambda: trainer.pusher.failures >= 1, 60, "a failed push")
         for i in range(6):  # three steps' worth, all fresh at version 0 and 1
             trainer.buffer.put(_stale_group(f"g{i}", 0))
@@ -398,13 +410,6 @@ async def test_the_trainer_waits_while_its_engines_are_more_than_max_lag_behind(
         assert trainer.pusher.pushed_version == -1 and trainer.waiting_for_engines
         assert trainer.status()["waiting_for_engines"] and len(trainer.buffer) == 4
         assert not trainer.healthy()[0]  # max_failures in a row: red
-    finally:
-        stop.set()
-        if run is not None:
-            await asyncio.gather(run, return_exceptions=True)
-        if hung is not None:
-            await hung.close()
-        await trainer.shutdown()
 
 
 async def test_connected_actors_that_deliver_nothing_turn_the_trainer_red_but_not_its_watchdog(tiny_model_dir,
