@@ -49,6 +49,21 @@ class Daemon:
     def wait(self, pred, timeout: float, what: str):
         return wait_for_status(self, pred, timeout, what)
 
+    def terminate(self, timeout: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            self.kill()
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+
 
 def wait_for_status(daemon, pred, timeout: float, what: str):
     """Poll ``daemon.status()`` until ``pred(status)`` is truthy and return
@@ -69,22 +84,6 @@ def wait_for_status(daemon, pred, timeout: float, what: str):
                 return value
         time.sleep(0.5)
     raise AssertionError(f"{daemon.name}: timed out after {timeout:.0f} s waiting for {what}; status={st}")
-
-    def terminate(self, timeout: float = 60) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout)
-        finally:
-            self.kill()
-
-    def kill(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait()
-
 
 def daemon_args(role: str, model_dir, run_dir, trainer_port: int, http_port: int, extra=()) -> list[str]:
     args = ["--role", role, "--config", str(ROOT / "conf/demo.toml"),
