@@ -1,7 +1,8 @@
 """The authenticated rendezvous of a weight-broadcast group epoch.
 
-Owns: the epoch's TCPStore (rank 0 serves it on the socket the trainer
-bound to the advertised address, nothing else), the admission of ranks
+Owns: the epoch's TCPStore (rank 0 serves it on loopback, behind the
+byte-bounded gate on the socket the trainer bound to the advertised
+address), the admission of ranks
 (phase 1), the gloo group built on it with its channel check (phase 2), and
 the pickle-free exchange of the NCCL unique id. ``WeightComm`` is the only
 user. Must not touch: engines, models, the ZeroMQ link (the secret arrives
@@ -35,6 +36,13 @@ random bytes per epoch) travels over the CURVE link only.
      Rank 0 seals the ncclUniqueId with the secret and the others open it:
      only members learn the id, and NCCL's bootstrap admits only peers that
      present it.
+
+Memory. A TCPStore keeps whatever is written to it, without limit. Rank
+0's server listens on loopback only; the rendezvous port belongs to a gate
+process (``rlnode.store_gate``) that relays to it and cuts a connection
+past 4 MiB sent, or once all clients sent 64 MiB: that bounds what the
+store can hold. The gate stops once the transport is up, so after a group
+forms the port refuses.
 
 What it does not stop: a peer that reaches the ports can make an epoch fail
 (delete keys, append bad proofs, take a gloo connection); every such case
@@ -138,21 +146,35 @@ def unseal(key: bytes, label: str, blob: bytes) -> bytes | None:
 
 
 def _serve(host: str, port: int, listen_socket: socket.socket | None, timeout: timedelta):
-    """Rank 0: the store's server on ``listen_socket`` (bound by the trainer
-    to the advertised host). Without one, bind ``host`` here: TCPStore's own
-    server would listen on every interface."""
+    """Rank 0: the store's server on loopback, and the gate
+    (``store_gate``) that relays the network to it on ``listen_socket``
+    (bound by the trainer to the advertised host), counting what clients
+    send: the store can never hold more than the gate let through. Without
+    ``listen_socket``, bind ``host:port`` here (never every interface, as
+    TCPStore's own server would). Returns (store, gate)."""
     import torch.distributed as dist
+
+    from rlnode.store_gate import GateProcess
 
     if listen_socket is None:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         listen_socket = socket.create_server((host, port), family=family)
-    fd = listen_socket.detach()
+    inner = socket.create_server(("127.0.0.1", 0))
+    inner_port = inner.getsockname()[1]
+    fd = inner.detach()
     try:
         # wait_for_workers=False: the server never counts connections, so
         # an intruder's connections cannot stand in for members.
-        return dist.TCPStore(host, port, is_master=True, master_listen_fd=fd, wait_for_workers=False, timeout=timeout)
+        store = dist.TCPStore("127.0.0.1", inner_port, is_master=True, master_listen_fd=fd,
+                              wait_for_workers=False, timeout=timeout)
     except Exception:
         socket.close(fd)
+        listen_socket.close()
+        raise
+    try:
+        return store, GateProcess(listen_socket, inner_port)
+    except Exception:
+        listen_socket.close()
         raise
 
 
@@ -183,8 +205,9 @@ class Rendezvous:
         self.timeout = timedelta(seconds=spec.timeout_s)
         self._key = secret_key(spec)
         self._base = f"rlnode/e{spec.epoch}/"
+        self._gate = None
         if rank == 0:
-            self.store = _serve(spec.master_host, spec.master_port, listen_socket, self.timeout)
+            self.store, self._gate = _serve(spec.master_host, spec.master_port, listen_socket, self.timeout)
         else:
             try:
                 self.store = dist.TCPStore(spec.master_host, spec.master_port, is_master=False, timeout=self.timeout)
@@ -228,7 +251,8 @@ class Rendezvous:
                 value = self.store.get(key).decode(errors="replace") if self.store.check([key]) else None
             except Exception as e:  # rank 0 closed the store: it gave up on the epoch
                 raise RendezvousError(f"group epoch {spec.epoch}: rank {self.rank} lost the rendezvous "
-                                      f"(the trainer refused or abandoned the epoch): {e}") from e
+                                      f"(the trainer refused or abandoned the epoch, or formed it "
+                                      f"without this rank): {e}") from e
             if value is not None and hmac.compare_digest(value, ok):
                 return
             if value is not None and hmac.compare_digest(value, refused):
@@ -325,7 +349,9 @@ class Rendezvous:
         # list it: the channel check is what keeps it out).
         tag = mac(self._key, "gloo-namespace", self.spec.epoch)[:16]
         store = dist.PrefixStore(f"{self._base}gloo/{tag}/", self.store)
-        return GlooGroup(store, self.rank, self.spec, self._key, self.timeout)
+        group = GlooGroup(store, self.rank, self.spec, self._key, self.timeout)
+        self.close_gate()  # every rank passed the channel check: done with the store
+        return group
 
     def nccl_communicator(self, device):
         """A ``PyNcclCommunicator`` whose unique id travelled sealed."""
@@ -337,11 +363,23 @@ class Rendezvous:
             # PyNcclCommunicator compares tensor.device with the device it
             # holds; tensors always carry an index (weight_plan.indexed_device).
             raise ValueError(f"nccl_communicator needs an indexed device (cuda:N), got {device}")
-        return PyNcclCommunicator(unique_id_group(self), device=device)
+        comm = PyNcclCommunicator(unique_id_group(self), device=device)
+        self.close_gate()  # every rank joined NCCL (each read the sealed id first)
+        return comm
+
+    def close_gate(self) -> None:
+        """Rank 0: stop the network's way to the store (the group is up, or
+        the epoch is over); from now on the rendezvous port refuses."""
+        gate, self._gate = self._gate, None
+        if gate is not None:
+            counts = gate.stop()
+            report = log.warning if counts.get("cut") or counts.get("refused") else log.info
+            report("rendezvous.gate_closed", epoch=self.spec.epoch, **counts)
 
     def close(self) -> None:
-        """Drop the store (rank 0: its server stops once the group that
-        holds it is gone too)."""
+        """Drop the store (rank 0: the gate stops now; the server once the
+        group that holds it is gone too)."""
+        self.close_gate()
         self.store = None
 
 
