@@ -103,6 +103,24 @@ def test_deliveries_beyond_the_grant_refund_nothing():
 # ---- leaks on the actor ---------------------------------------------------------
 
 
+def test_groups_without_a_credit_wait_only_within_the_senders_share():
+    """Deliveries no credit paid for (an older session's, resent after a
+    trainer restart; or a peer past its grant) may wait for a step only up
+    to the sender's share of the budget: one peer cannot fill the trainer."""
+    led = _ledger(4, a=2, b=2)
+    assert led.share() == 2  # budget 4 over 2 connected peers
+    for i in range(2):
+        assert led.admits("a", "old")
+        led.on_delivered("a", "old", f"a{i}", accepted=True)
+    assert not led.admits("a", "old") and led.uncredited_refused == 1
+    assert led.admits("b", "old")  # b's share is its own
+    led.grant()
+    assert led.admits("a", "s1")  # a credit of this session: always
+    led.release(["a0"])  # a step consumed one
+    assert led.admits("a", "old")
+    assert led.summary()["uncredited_refused"] == 1
+
+
 def _group(gid: str, session: str, tokens: int) -> Group:
     """A scheduler Group whose one sample carries ``tokens`` prompt tokens."""
     s = sample(gid, 0, 0, node_tokens=tokens)
@@ -312,6 +330,35 @@ async def test_group_ids_are_bound_to_their_sender():
         assert trainer.counters.duplicates == 0
         peer, got = trainer.deliveries.get_nowait()
         assert (peer, got.group_id) == (f"a/{a.incarnation}", a_id)
+    finally:
+        for link in (a, b):
+            await link.close()
+        await trainer.close()
+
+
+async def test_a_peer_past_its_share_is_told_busy_and_resends_later():
+    """The trainer link: a's groups without a credit beyond its share are
+    refused busy (nothing lost: a keeps and resends them); once a step
+    consumed the first, the next one is taken."""
+    trainer = TrainerLink(ANY_PORT, FAST, credit_budget=2)
+    await trainer.start()
+    a = ActorLink(trainer.endpoint, "a", [(0, 1)], FAST, ack_timeout_s=0.3)
+    b = ActorLink(trainer.endpoint, "b", [(0, 1)], FAST)
+    try:
+        for link in (a, b):
+            await link.start()
+            assert await link.wait_connected(5)
+        await until(lambda: trainer.credits.share() == 1, 5, "both peers in the ledger")
+        ids = [f"a-{a.incarnation}-g{i:07d}" for i in range(3)]
+        for gid in ids:
+            assert a.submit(group(gid, "a", "old-session"))
+        await until(lambda: trainer.credits.uncredited_refused >= 2, 5, "a's groups past its share refused")
+        assert trainer.buffered_ids() == [ids[0]] and trainer.counters.busy_rejects >= 2
+        trainer.mark_consumed([ids[0]])
+        trainer.release_credits([ids[0]])
+        await until(lambda: ids[1] in trainer.buffered_ids(), 5, "a's resend taken once its share freed")
+        assert ids[2] not in trainer.buffered_ids()
+        assert a.counters().rejected == 0  # busy is not a rejection: a still holds its groups
     finally:
         for link in (a, b):
             await link.close()

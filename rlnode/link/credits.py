@@ -115,6 +115,13 @@ class CreditLedger:
         self.foreign_reports = 0  # reports for another session (stale), ignored
         self.clamped_reports = 0  # reports that claimed more than the rules allow (see the module doc)
         self.uncredited = 0  # deliveries of this session by a peer that held no credit
+        # Uncredited groups waiting for a step (resent from before a trainer
+        # restart, or a peer past its grant), by peer: each peer may hold at
+        # most its fair share of the budget this way (``admits``), so no
+        # peer can fill the trainer with groups no credit paid for.
+        self._uncredited_waiting: dict[str, str] = {}  # group id -> peer id
+        self._uncredited_by_peer: dict[str, int] = {}
+        self.uncredited_refused = 0  # uncredited deliveries refused (busy) for being over that share
         # Credits in the hands of incarnations that died (replaced by a new
         # one of their node): groups running or unsent died with them; the
         # credits went back to the pool.
@@ -201,17 +208,42 @@ class CreditLedger:
 
     # ---- groups ----------------------------------------------------------------
 
+    def _credited(self, peer_id: str, session: str) -> bool:
+        p = self.peers.get(peer_id)
+        return p is not None and session == self.session and p.delivered + p.returned < p.granted
+
+    def share(self) -> int:
+        """Uncredited groups one peer may have waiting: the budget split
+        over the connected peers (no limit without a budget)."""
+        if self.budget is None:
+            return MAX_WANT
+        live = sum(1 for p in self.peers.values() if p.connected)
+        return max(1, -(-self.budget // max(1, live)))
+
+    def admits(self, peer_id: str, session: str) -> bool:
+        """Whether a delivery by ``peer_id`` under ``session`` may wait for
+        a step: always with a credit to spend; without one (an older
+        session's group, or past the grant), only within the peer's share.
+        A refusal is a busy reject: the actor keeps the group and resends
+        it once the trainer consumed some of its others."""
+        if self._credited(peer_id, session) or self._uncredited_by_peer.get(peer_id, 0) < self.share():
+            return True
+        self.uncredited_refused += 1
+        return False
+
     def on_delivered(self, peer_id: str, session: str, group_id: str, accepted: bool) -> None:
         """A group arrived (first time for its id): ``accepted`` groups wait
         for a step; rejected ones give their credit back at once."""
-        p = self.peers.get(peer_id)
-        if p is not None and session == self.session:
-            if p.delivered + p.returned < p.granted:
-                p.delivered += 1
-            else:  # no credit of this session left to spend on it
-                self.uncredited += 1
+        credited = self._credited(peer_id, session)
+        if credited:
+            self.peers[peer_id].delivered += 1
+        elif session == self.session and peer_id in self.peers:  # no credit of this session left to spend on it
+            self.uncredited += 1
         if accepted:
             self.waiting.add(group_id)
+            if not credited:
+                self._uncredited_waiting[group_id] = peer_id
+                self._uncredited_by_peer[peer_id] = self._uncredited_by_peer.get(peer_id, 0) + 1
         self._dirty = True
         self._note()
 
@@ -224,7 +256,15 @@ class CreditLedger:
 
     def release(self, group_ids: Iterable[str]) -> None:
         """Consumed by a step (trained, skipped or stale) or dropped: free."""
-        self.waiting.difference_update(group_ids)
+        for gid in group_ids:
+            self.waiting.discard(gid)
+            peer_id = self._uncredited_waiting.pop(gid, None)
+            if peer_id is not None:
+                left = self._uncredited_by_peer[peer_id] - 1
+                if left:
+                    self._uncredited_by_peer[peer_id] = left
+                else:
+                    del self._uncredited_by_peer[peer_id]
         self._dirty = True
 
     # ---- granting ----------------------------------------------------------
@@ -257,7 +297,8 @@ class CreditLedger:
         return {"budget": self.budget if self.budget is not None else -1, "outstanding": self.outstanding(),
                 "waiting": len(self.waiting), "granted": self.granted_total, "returned": self.returned_total,
                 "foreign_reports": self.foreign_reports, "clamped_reports": self.clamped_reports,
-                "uncredited": self.uncredited, "reclaimed": self.reclaimed,
+                "uncredited": self.uncredited, "uncredited_refused": self.uncredited_refused,
+                "reclaimed": self.reclaimed,
                 "peers": {pid: {"connected": p.connected, "want": p.want, "granted": p.granted,
                                 "in_hands": p.in_hands, "delivered": p.delivered, "returned": p.returned}
                           for pid, p in self.peers.items()}}

@@ -552,6 +552,11 @@ class TrainerLink:
             c.busy_rejects += 1
             self._send(peer.peer_id, Reject(REJECT_BUSY, f"{len(self._buffered)} groups buffered", [gid]))
             return
+        if not self.credits.admits(peer.peer_id, g.credit_session):
+            c.busy_rejects += 1
+            self._send(peer.peer_id, Reject(REJECT_BUSY, f"over this node's share ({self.credits.share()}) of "
+                                            "groups waiting without a credit", [gid]))
+            return
         self._buffered[gid] = peer.peer_id
         self.last_group_at = time.monotonic()
         self.credits.on_delivered(peer.peer_id, g.credit_session, gid, accepted=True)
