@@ -105,6 +105,13 @@ class SamplingConfig(_Section):
     # Sampling temperature. The engine reports logprobs of the distribution
     # it sampled from (logits / temperature), which the trainer must match.
     temperature: PositiveFloat = 1.0
+    # The lowest temperature an agent may ask for through the gateway; a
+    # lower one is raised to this (counted). The trainer scores a sample at
+    # logits / T, so a tiny T scales its gradients by up to 1/T, and vLLM
+    # samples greedily below 1e-5 (its logprobs are then not those of
+    # logits / T). The trainer refuses samples outside
+    # [min_temperature, temperature]. Must be in [1e-5, temperature].
+    min_temperature: PositiveFloat = 0.25
     # Nucleus sampling: must stay 1.0 (checked at load). Anything else makes
     # the sampled distribution differ from softmax(logits / T), which the
     # trainer scores: the importance ratios would be biased.
@@ -544,6 +551,11 @@ def load_config(
     return cfg
 
 
+# vLLM samples greedily below this temperature (its _SAMPLING_EPS): the
+# logprobs it reports are then not those of logits / T.
+VLLM_SAMPLING_EPS = 1e-5
+
+
 def _check_cross_field(cfg: Config) -> None:
     _check_cubes(cfg.actor.cubes)
     _check_attention(cfg.trainer)
@@ -559,6 +571,10 @@ def _check_cross_field(cfg: Config) -> None:
             "the trainer scores tokens under the untruncated distribution at logits / temperature, "
             "so top-p sampling would bias the importance ratios. Lower the temperature instead"
         )
+    if not VLLM_SAMPLING_EPS <= cfg.actor.sampling.min_temperature <= cfg.actor.sampling.temperature:
+        raise ConfigError(
+            f"actor.sampling.min_temperature: must be in [{VLLM_SAMPLING_EPS}, actor.sampling.temperature = "
+            f"{cfg.actor.sampling.temperature}] (got {cfg.actor.sampling.min_temperature})")
     if cfg.actor.sampling.max_tokens >= cfg.model.max_model_len:
         raise ConfigError(
             "actor.sampling.max_tokens: must be < model.max_model_len "

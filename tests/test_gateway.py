@@ -3,6 +3,7 @@ engine: completions, streaming, history parity, auth, errors, no leaks."""
 
 import asyncio
 
+import msgspec
 import numpy as np
 import openai
 import pytest
@@ -158,6 +159,22 @@ async def test_lower_temperature_is_the_samples_temperature(gateway, hf_model):
                                              temperature=0.5)
         await client.close()
     assert s.calls[0].temperature == 0.5
+    check_parity(s.calls, hf_model)
+
+
+async def test_a_temperature_below_the_floor_is_raised_to_it(engine, tokenizer, router, hf_model):
+    """An agent asking for T = 0.05 would make the trainer refuse the whole
+    group (and scale its gradients by 1/T): it is sampled, recorded and
+    scored at actor.sampling.min_temperature, and counted."""
+    floored = msgspec.structs.replace(SETTINGS, min_temperature=0.25)
+    gw = Gateway(LLMClient([engine], router), ChatRenderer(tokenizer), SETTINGS)
+    async with gw.serve():
+        async with gw.session("ep-floor", settings=floored) as s:
+            client = client_for(s)
+            await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
+                                                 temperature=0.05)
+            await client.close()
+    assert s.calls[0].temperature == 0.25 and gw.stats.temperature_floored == 1
     check_parity(s.calls, hf_model)
 
 

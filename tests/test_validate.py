@@ -7,7 +7,7 @@ import msgspec
 import pytest
 
 from rlnode.bench.fuzz import FrameMaker
-from rlnode.config import load_config
+from rlnode.config import ConfigError, load_config
 from rlnode.link import validate as V
 from rlnode.link.validate import GroupLimits, check_sample, validate_group
 from rlnode.wire import GroupDelivery, pack_f32, pack_i32
@@ -123,7 +123,29 @@ def test_temperature(t, ok):
     s = group().samples[0]
     s.temperature = t
     got = check_sample(s, LIMITS)
-    assert got is None if ok else got == (V.R_TEMPERATURE, f"sample {s.sample_id!r} temperature {t!r}")
+    assert got is None if ok else got == (V.R_TEMPERATURE, f"sample {s.sample_id!r} temperature {t!r} outside "
+                                                           f"[{V.MIN_TEMPERATURE:g}, inf]")
+
+
+@pytest.mark.parametrize("t,ok", [(1.0, True), (0.25, True), (0.6, True), (0.2, False), (1.5, False),
+                                  (V.MIN_TEMPERATURE, False)])
+def test_temperature_within_the_runs_sampling_bounds(t, ok):
+    """From the config: actor.sampling.min_temperature (what the gateway
+    lets an agent ask for) to actor.sampling.temperature (the run's)."""
+    cfg = load_config(None, ["actor.sampling.min_temperature=0.25", "actor.sampling.temperature=1.0"])
+    limits = GroupLimits.from_config(cfg, vocab_size=100)
+    assert (limits.min_temperature, limits.max_temperature) == (0.25, 1.0)
+    s = group().samples[0]
+    s.temperature = t
+    got = check_sample(s, limits)
+    assert got is None if ok else got == (V.R_TEMPERATURE, f"sample {s.sample_id!r} temperature {t!r} outside "
+                                                           "[0.25, 1]")
+
+
+@pytest.mark.parametrize("lo,t", [(0.5, 0.4), (1e-6, 1.0)])
+def test_a_min_temperature_outside_its_range_is_a_config_error(lo, t):
+    with pytest.raises(ConfigError, match="actor.sampling.min_temperature: must be in"):
+        load_config(None, [f"actor.sampling.min_temperature={lo}", f"actor.sampling.temperature={t}"])
 
 
 def test_versions_may_run_ahead_by_max_version_ahead_only():
@@ -155,6 +177,7 @@ def test_limits_from_config():
     cfg = load_config(None, ["actor.scheduler.attempts=4", "actor.episode.max_turns=3", "model.max_model_len=256",
                              "trainer.checkpoint_every=20"])
     assert GroupLimits.from_config(cfg, 263) == GroupLimits(attempts=4, vocab_size=263, max_model_len=256,
-                                                            max_samples=12, max_version_ahead=20)
+                                                            max_samples=12, max_version_ahead=20,
+                                                            min_temperature=0.25, max_temperature=1.0)
     cfg = load_config(None, ["trainer.checkpoint_every=0"])
     assert GroupLimits.from_config(cfg, 10).max_version_ahead == 1_000_000

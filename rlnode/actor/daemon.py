@@ -50,6 +50,7 @@ def episode_settings(cfg: Config) -> EpisodeSettings:
         max_turns=cfg.actor.episode.max_turns,
         max_model_len=cfg.model.max_model_len,
         min_completion_tokens=cfg.actor.episode.min_completion_tokens,
+        min_temperature=s.min_temperature,
     )
 
 
@@ -432,7 +433,9 @@ class ActorDaemon:
                 ("rlnode_gateway_history_resets", "counter", "calls that did not extend the episode's history", {},
                  g.history_resets),
                 ("rlnode_gateway_errors", "counter", "gateway requests answered with an error", {}, g.errors),
-                ("rlnode_gateway_unauthorized", "counter", "unknown episode or wrong key", {}, g.unauthorized)]
+                ("rlnode_gateway_unauthorized", "counter", "unknown episode or wrong key", {}, g.unauthorized),
+                ("rlnode_gateway_temperature_floored", "counter",
+                 "calls that asked below actor.sampling.min_temperature (sampled at it)", {}, g.temperature_floored)]
         if self.link is not None:
             c = self.link.counters()
             lab = {"trainer": self.peers[0]}

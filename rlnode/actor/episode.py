@@ -136,6 +136,9 @@ class EpisodeSettings(msgspec.Struct):
     max_turns: int
     max_model_len: int
     min_completion_tokens: int = 4
+    # The lowest temperature an agent may ask for through the gateway
+    # (actor.sampling.min_temperature); lower requests are raised to it.
+    min_temperature: float = 1e-5
 
 
 async def run_episode(

@@ -197,6 +197,7 @@ class GatewayStats(msgspec.Struct):
     history_resets: int = 0  # calls whose history was not an extension of the last one
     errors: int = 0  # requests answered with an error
     unauthorized: int = 0  # unknown token or wrong key
+    temperature_floored: int = 0  # calls that asked below actor.sampling.min_temperature (raised to it)
 
 
 class ServedCall(msgspec.Struct):
@@ -380,6 +381,15 @@ class Gateway:
         elif not 0 < temperature <= base.temperature + 1e-9:
             raise GatewayError(400, f"temperature must be in (0, {base.temperature}] (actor.sampling.temperature; "
                                     "samples are scored at logits / temperature)", param="temperature")
+        elif temperature < (floor := min(settings.min_temperature, base.temperature)):
+            # The trainer would refuse the whole group for it (and a tiny T
+            # scales gradients by 1/T): sampled at the floor instead. (An
+            # evaluation below the floor keeps its own temperature.)
+            if self.stats.temperature_floored == 0:
+                log.warning("gateway.temperature_floored", asked=temperature, floor=floor,
+                            key="actor.sampling.min_temperature")
+            self.stats.temperature_floored += 1
+            temperature = floor
         if req.top_p is not None and abs(req.top_p - base.top_p) > 1e-9:
             raise GatewayError(400, f"top_p is fixed by the run (actor.sampling.top_p = {base.top_p})", param="top_p")
         tool_choice = req.tool_choice if req.tool_choice is not None else "auto"

@@ -23,11 +23,15 @@ import math
 import msgspec
 import numpy as np
 
+from rlnode.config import VLLM_SAMPLING_EPS
 from rlnode.wire import GroupDelivery, TrainingSample
 
-# vLLM samples greedily below this temperature (its _SAMPLING_EPS): the
-# logprobs it reports are then not those of logits / T.
-MIN_TEMPERATURE = 1e-5
+# Below this vLLM samples greedily: no sample can carry it (a configured
+# actor.sampling.min_temperature raises the floor).
+MIN_TEMPERATURE = VLLM_SAMPLING_EPS
+# Float slack on the configured temperature bounds (msgpack carries float64,
+# configs are parsed: equal values compare equal, but stay safe).
+TEMPERATURE_SLACK = 1e-6
 # A log-probability is <= 0; float32 rounding of a near-certain token may
 # land a hair above it.
 MAX_LOGPROB = 1e-3
@@ -48,7 +52,7 @@ R_TOO_LONG = "too_long"  # prompt + completion > max_model_len
 R_TOKEN_ID = "token_id"  # outside [0, vocab_size)
 R_LOGPROB = "logprob"  # non-finite or > MAX_LOGPROB
 R_MASK = "mask"  # loss-mask byte other than 0 / 1
-R_TEMPERATURE = "temperature"  # non-finite or < MIN_TEMPERATURE
+R_TEMPERATURE = "temperature"  # non-finite, or outside [min_temperature, temperature] of actor.sampling
 R_VERSION = "version"  # negative, or ahead of the trainer by more than max_version_ahead
 
 REASONS = (R_EMPTY, R_EPISODE_COUNT, R_DUPLICATE_EPISODE, R_EPISODE_WITHOUT_SAMPLES, R_FOREIGN_SAMPLE,
@@ -73,6 +77,11 @@ class GroupLimits(msgspec.Struct, frozen=True, kw_only=True):
     # versions it had already pushed by up to checkpoint_every steps, and
     # the actors' unacknowledged groups carry those versions.
     max_version_ahead: int
+    # Temperatures a sample may carry: the actor's actor.sampling
+    # min_temperature (what the gateway lets agents ask for) to temperature
+    # (the run's). Scoring at logits / T scales gradients by up to 1/T.
+    min_temperature: float = MIN_TEMPERATURE
+    max_temperature: float = math.inf
 
     @classmethod
     def from_config(cls, cfg, vocab_size: int) -> GroupLimits:
@@ -82,7 +91,9 @@ class GroupLimits(msgspec.Struct, frozen=True, kw_only=True):
         # shutdown checkpoint (or version 0): allow the whole run.
         ahead = t.checkpoint_every if t.checkpoint_every else max(t.max_steps, 1_000_000)
         return cls(attempts=s.attempts, vocab_size=vocab_size, max_model_len=cfg.model.max_model_len,
-                   max_samples=max_samples, max_version_ahead=ahead)
+                   max_samples=max_samples, max_version_ahead=ahead,
+                   min_temperature=cfg.actor.sampling.min_temperature,
+                   max_temperature=cfg.actor.sampling.temperature)
 
 
 def validate_group(g: GroupDelivery, limits: GroupLimits | None, version: int = 0) -> Invalid | None:
@@ -157,8 +168,10 @@ def check_sample(s: TrainingSample, limits: GroupLimits | None) -> Invalid | Non
         return R_ARRAY_LENGTH, f"sample {sid!r}: logprobs/mask length != {n} completion tokens"
     if not math.isfinite(s.reward):
         return R_REWARD, f"sample {sid!r} reward {s.reward!r}"
-    if not (math.isfinite(s.temperature) and s.temperature >= MIN_TEMPERATURE):
-        return R_TEMPERATURE, f"sample {sid!r} temperature {s.temperature!r}"
+    lo, hi = (limits.min_temperature, limits.max_temperature) if limits is not None else (MIN_TEMPERATURE, math.inf)
+    if not (math.isfinite(s.temperature) and lo - TEMPERATURE_SLACK <= s.temperature <= hi + TEMPERATURE_SLACK
+            and s.temperature >= MIN_TEMPERATURE):
+        return R_TEMPERATURE, f"sample {sid!r} temperature {s.temperature!r} outside [{lo:g}, {hi:g}]"
     prompt, completion = s.prompt_token_ids, s.completion_token_ids
     # The learner predicts the first completion token from the last prompt
     # position, and a sample without completion tokens has nothing to train.
