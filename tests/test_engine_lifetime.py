@@ -7,6 +7,7 @@ The engine guard itself is tested on plain processes first (fast)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import signal
@@ -238,3 +239,38 @@ def test_engine_start_failure_leaves_no_process(tiny_model_dir, tmp_path):
         assert not left, f"still alive {EXIT_DEADLINE_S:.0f} s after the daemon failed: {left}"
     finally:
         cleanup(d, set())
+
+
+@pytest.mark.engine
+async def test_an_engine_whose_core_died_turns_the_actor_red(tiny_model_dir, engine_config):
+    """The engine core killed under a running engine: every request fails
+    at once. After Engine.FAILING_AFTER failures in a row the actor's
+    health names the engine (and a restart would help, so the watchdog lets
+    systemd restart it) instead of dropping group after group behind a
+    green /healthz."""
+    import types
+
+    import psutil
+
+    from rlnode.actor.daemon import ActorDaemon
+    from rlnode.actor.engine import Engine, EngineError, SamplingSettings
+    from rlnode.config import ModelConfig
+
+    eng = Engine(0, ModelConfig(path=str(tiny_model_dir), max_model_len=512), engine_config)
+    await eng.start()
+    try:
+        me = types.SimpleNamespace(engines=[eng])
+        assert ActorDaemon._local_fault(me) == ""
+        await eng.generate([1, 2, 3], SamplingSettings(max_tokens=2))
+        cores = [p for p in psutil.Process().children(recursive=True) if "EngineCor" in p.name()]
+        assert len(cores) == 1, cores
+        cores[0].kill()
+        cores[0].wait(10)
+        for _ in range(Engine.FAILING_AFTER):
+            with pytest.raises(EngineError):
+                await asyncio.wait_for(eng.generate([1, 2, 3], SamplingSettings(max_tokens=2)), 30)
+        why = ActorDaemon._local_fault(me)
+        assert why.startswith("engines failing every request: {0: ") and "its last 16 requests failed" in why
+        assert "EngineDeadError" in why
+    finally:
+        await eng.shutdown()

@@ -49,14 +49,58 @@ class CountingCube(GuessingCube):
         return Task(CubeTaskRef(self.cube_id, task_id), self.target(task_id), self.opts)
 
 
-def make_scheduler(engine, cubes, cfg, versions, weights=None, eval_cubes=()):
+def make_scheduler(engine, cubes, cfg, versions, weights=None, eval_cubes=(), node_id=""):
     from transformers import AutoTokenizer
 
     client = LLMClient([engine], AdmissionRouter(1, 16))
     renderer = ChatRenderer(AutoTokenizer.from_pretrained(engine.model_cfg.path))
     settings = EpisodeSettings(SamplingSettings(max_tokens=6, seed=None), max_turns=3, max_model_len=1024)
     return RolloutScheduler(cubes, weights or {c: 1.0 for c in cubes}, list(eval_cubes), client, renderer, cfg,
-                            settings, versions, seed=0)
+                            settings, versions, seed=0, node_id=node_id)
+
+
+async def _play_groups(engine, node_id: str, n: int = 2) -> tuple[dict, list[int]]:
+    """``n`` groups of 3 attempts, played concurrently: the tokens of each
+    (group index, attempt) and the sampling seed of every LLM call."""
+    cube = GuessingCube("g", GuessingOptions(max_turns=2), seed=0)
+    cfg = SchedulerConfig(attempts=3, groups_per_step=n, max_lag=0, max_retries=0)
+    sched = make_scheduler(engine, {"g": cube}, cfg, VersionSource(0), node_id=node_id)
+    seeds, generate = [], sched.client.generate
+
+    async def recording(prompt, sampling, **kw):
+        seeds.append(sampling.seed)
+        return await generate(prompt, sampling, **kw)
+
+    sched.client.generate = recording
+    await sched.prepare()
+    out: asyncio.Queue = asyncio.Queue()
+    run = asyncio.create_task(sched.run(out))
+    groups = [await asyncio.wait_for(out.get(), 120) for _ in range(n)]
+    run.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await run
+    tokens = {(g.group_id.rsplit("g", 1)[1], j): (r.task_id, [bytes(s.completion_ids) for s in r.samples])
+              for g in groups for j, r in enumerate(g.episodes)}
+    return tokens, seeds
+
+
+async def test_the_same_seed_plays_the_same_samples_and_no_two_calls_share_a_seed(engine):
+    """Per-request seeds from (run seed, node, group, task, attempt, retry,
+    turn): the same run replays token for token, although its 6 episodes
+    run concurrently (an engine-wide generator would hand out its draws in
+    whatever order requests arrive); no two LLM calls, and so no two
+    attempts of a group, share a seed (equal seeds would make a group's
+    samples identical and zero its advantages)."""
+    first, seeds = await _play_groups(engine, "a")
+    again, seeds_again = await _play_groups(engine, "a")
+    assert None not in seeds and len(set(seeds)) == len(seeds)
+    assert sorted(seeds) == sorted(seeds_again)
+    assert first == again
+    # Within a group: three attempts at one task, three different samplings.
+    for idx in {k[0] for k in first}:
+        attempts = [first[(idx, j)][1] for j in range(3)]
+        assert len({tuple(a) for a in attempts}) > 1, attempts
+    await assert_engine_idle(engine)
 
 
 async def test_groups_complete_and_budget_holds(engine):

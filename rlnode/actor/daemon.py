@@ -158,7 +158,7 @@ class ActorDaemon:
             msgspec.structs.replace(cfg.actor.scheduler, max_lag=effective_max_lag(cfg)),
             episode_settings(cfg), self.versions,
             seed=cfg.run.seed, on_eval=self._on_eval, id_prefix=f"{self.node_id}-{self.incarnation}-",
-            gateway=self.gateway,
+            gateway=self.gateway, node_id=self.node_id,
         )
         await sched.prepare()
         return sched
@@ -355,6 +355,9 @@ class ActorDaemon:
         broken = {e.engine_id: why for e in self.engines if (why := load_failure(e))}
         if broken:
             return f"engines half-loaded by a failed weight update: {broken}"
+        failing = {e.engine_id: why for e in self.engines if (why := e.failing())}
+        if failing:
+            return f"engines failing every request: {failing}"
         return ""
 
     def _trainer_unreachable(self) -> str:

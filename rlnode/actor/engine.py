@@ -231,6 +231,14 @@ def build_engine_args(
     )
     if device == "cuda":
         kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+    else:
+        # Every request carries its own sampling seed (episode.request_seed).
+        # vLLM rewinds a seeded request's generator after a partial-prefill
+        # step (Generator.set_offset), which CPU generators do not support:
+        # the engine core dies ("CPU Generator does not use offset") once a
+        # prompt is split across steps. On CPU, prompts are prefilled whole.
+        kwargs["enable_chunked_prefill"] = False
+        kwargs["max_num_batched_tokens"] = max(model.max_model_len, 2048)
     if not vllm_compat.api().cache_salt:
         # Without a per-version cache salt (Engine.generate), a request after
         # an update could reuse KV computed by older weights.
@@ -267,6 +275,12 @@ class Engine:
         self.max_in_flight = 0
         self.requests_total = 0
         self.requests_failed = 0
+        # Requests failed in a row, and the last error: an engine core that
+        # died (EngineDeadError) fails every request at once, and the
+        # scheduler would otherwise drop group after group at full speed
+        # behind a green health check (``failing``).
+        self.failed_in_a_row = 0
+        self.last_error = ""
         self.generated_tokens = 0
         # The policy version the engine's weights hold (set by the weight
         # receiver once a load has finished). It salts the prefix cache: see
@@ -396,16 +410,33 @@ class Engine:
             await asyncio.shield(llm.abort(rid))
             raise
         except Exception as e:
-            self.requests_failed += 1
+            self._failed(repr(e))
             raise EngineError(f"engine {self.engine_id} request {rid} failed: {e!r}") from e
         finally:
             self.in_flight -= 1
             out = final.outputs[0] if final is not None and final.outputs else None
             versions = spans.close(rid, len(out.token_ids) if out else 0) if spans is not None else None
         if out is None:
-            self.requests_failed += 1
+            self._failed("no output")
             raise EngineError(f"engine {self.engine_id} request {rid} returned no output")
+        self.failed_in_a_row = 0
         return self._to_completion(out, versions)
+
+    # Requests failed in a row that make an engine count as broken: more
+    # than a batch of bad luck, far fewer than a run of dropped groups.
+    FAILING_AFTER = 16
+
+    def _failed(self, error: str) -> None:
+        self.requests_failed += 1
+        self.failed_in_a_row += 1
+        self.last_error = error[:300]
+
+    def failing(self) -> str:
+        """'' unless its last ``FAILING_AFTER`` requests all failed (the
+        engine core died, or cannot serve): then why."""
+        if self.failed_in_a_row < self.FAILING_AFTER:
+            return ""
+        return f"its last {self.failed_in_a_row} requests failed (last: {self.last_error})"
 
     def _to_completion(self, out, versions: list[tuple[str, int, int]] | None = None) -> Completion:
         token_ids = list(out.token_ids)

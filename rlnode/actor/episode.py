@@ -17,6 +17,7 @@ exactly once, also on error and cancellation.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import re
 import time
@@ -139,6 +140,24 @@ class EpisodeSettings(msgspec.Struct):
     # The lowest temperature an agent may ask for through the gateway
     # (actor.sampling.min_temperature); lower requests are raised to it.
     min_temperature: float = 1e-5
+    # This episode's sampling seed (the scheduler derives it from the run
+    # seed, the node, the group, the task, the attempt and the retry); each
+    # LLM call samples with request_seed(seed, turn). None: the engine's
+    # own generator (not reproducible under concurrency).
+    seed: int | None = None
+
+
+def request_seed(*parts: object) -> int:
+    """A 63-bit seed from ``parts`` (stable across runs and machines).
+
+    Why per request: an engine seeded once samples each request from one
+    shared generator, in whatever order requests reach it, so the same run
+    seed gives another run whenever timing differs. A seed per request makes
+    each request's draws its own. Every attempt of a group gets its own
+    seed: equal seeds would make a group's samples identical (same prompt,
+    same weights) and zero their advantages."""
+    digest = hashlib.sha256("/".join(map(str, parts)).encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1
 
 
 async def run_episode(
@@ -170,7 +189,8 @@ async def _play(client, renderer, task, settings, episode_id, group_id, policy_v
         if room < settings.min_completion_tokens:
             reason = "context_limit"
             break
-        sampling = msgspec.structs.replace(settings.sampling, max_tokens=min(settings.sampling.max_tokens, room))
+        sampling = msgspec.structs.replace(settings.sampling, max_tokens=min(settings.sampling.max_tokens, room),
+                                           seed=None if settings.seed is None else request_seed(settings.seed, turn))
         version = policy_version()
         gen = await client.generate(prompt, sampling, affinity=engine)
         engine = gen.lease.engine_id

@@ -47,7 +47,7 @@ import msgspec
 from aiohttp import web
 
 from rlnode.actor.engine import EngineError, SamplingSettings
-from rlnode.actor.episode import ChatRenderer, EpisodeSettings, parse_action
+from rlnode.actor.episode import ChatRenderer, EpisodeSettings, parse_action, request_seed
 from rlnode.actor.generation import Generation, LLMClient
 from rlnode.cubes.base import Action, AgentEndpoint, CubeTask, ToolCall
 from rlnode.log import get_logger
@@ -415,9 +415,13 @@ class Gateway:
             raise GatewayError(400, f"prompt of {len(prompt)} tokens leaves no room in the {settings.max_model_len}"
                                     "-token context", code="context_length_exceeded", param="messages")
         want = req.max_completion_tokens or req.max_tokens or base.max_tokens
-        sampling = msgspec.structs.replace(base, temperature=temperature, seed=req.seed,
-                                           max_tokens=max(1, min(want, base.max_tokens, room)))
         step = s.next_step
+        # The episode's seed per call (an agent's own seed is mixed in, never
+        # used alone: an agent that sends one fixed seed would otherwise make
+        # every attempt of its group sample the same tokens).
+        seed = req.seed if settings.seed is None else request_seed(settings.seed, step, req.seed)
+        sampling = msgspec.structs.replace(base, temperature=temperature, seed=seed,
+                                           max_tokens=max(1, min(want, base.max_tokens, room)))
         s.next_step += 1
         s.history_resets += reset
         self.stats.history_resets += reset

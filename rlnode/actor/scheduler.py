@@ -26,7 +26,7 @@ from typing import Callable, Protocol
 
 import msgspec
 
-from rlnode.actor.episode import ChatRenderer, EpisodeResult, EpisodeSettings, run_episode
+from rlnode.actor.episode import ChatRenderer, EpisodeResult, EpisodeSettings, request_seed, run_episode
 from rlnode.actor.generation import LLMClient
 from rlnode.config import SchedulerConfig
 from rlnode.daemon import spawn
@@ -153,6 +153,7 @@ class RolloutScheduler:
         id_prefix: str = "",
         gate: GroupGate | None = None,
         gateway=None,
+        node_id: str = "",
     ):
         self.cubes, self.cfg, self.episode = cubes, cfg, episode
         self.eval_episode = episode
@@ -171,6 +172,11 @@ class RolloutScheduler:
         # trainer drops duplicates by id): the daemon passes node + incarnation.
         self.id_prefix = id_prefix
         self.rng = random.Random(seed)
+        # Sampling seeds: (run seed, node, group index, task, attempt,
+        # retry, turn) -> one seed per LLM call (episode.request_seed). The
+        # node id (stable across restarts, unlike the incarnation) keeps two
+        # actors that draw the same task at the same index apart.
+        self.seed, self.node_id = seed, node_id
         self.stats = {c: CubeStats() for c in cubes}
         self.eval_stats: dict[str, CubeStats] = {}
         self.started_groups = 0
@@ -255,7 +261,8 @@ class RolloutScheduler:
         group_id = f"{self.id_prefix}g{index:07d}"
         settled = False  # handed to `out`, or its credit given back
         try:
-            settled = await self._play_admitted(ref, group_id, out, session)
+            seed = request_seed(self.seed, self.node_id, "train", index, ref.cube_id, ref.task_id)
+            settled = await self._play_admitted(ref, group_id, out, session, seed)
         except BaseException as e:
             if not settled:
                 self.gate.give_back(session)
@@ -267,13 +274,15 @@ class RolloutScheduler:
                               error=repr(e)[:300], total=self.groups_failed)
             raise
 
-    async def _play_admitted(self, ref: CubeTaskRef, group_id: str, out: asyncio.Queue, session: str) -> bool:
+    async def _play_admitted(self, ref: CubeTaskRef, group_id: str, out: asyncio.Queue, session: str,
+                             seed: int) -> bool:
         start_version = self.versions.version
         self.in_flight_groups += 1
         self.max_in_flight_groups = max(self.max_in_flight_groups, self.in_flight_groups)
         try:
             results = await asyncio.gather(*(
-                self._episode_with_retries(ref, f"{group_id}/e{j}", group_id, self.stats[ref.cube_id])
+                self._episode_with_retries(ref, f"{group_id}/e{j}", group_id, self.stats[ref.cube_id],
+                                           seed=request_seed(seed, j))
                 for j in range(self.cfg.attempts)
             ))
         finally:
@@ -290,10 +299,14 @@ class RolloutScheduler:
         return True
 
     async def _episode_with_retries(self, ref, episode_id, group_id, stats: CubeStats,
-                                    settings: EpisodeSettings | None = None) -> EpisodeResult | None:
+                                    settings: EpisodeSettings | None = None,
+                                    seed: int | None = None) -> EpisodeResult | None:
+        settings = settings or self.episode
         for attempt in range(self.cfg.max_retries + 1):
+            if seed is not None:  # a retry samples anew: it may have failed on what it drew
+                settings = msgspec.structs.replace(settings, seed=request_seed(seed, "retry", attempt))
             try:
-                result = await self._one_episode(ref, episode_id, group_id, settings or self.episode)
+                result = await self._one_episode(ref, episode_id, group_id, settings)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # cube/engine failures are retried, never fatal
@@ -355,8 +368,9 @@ class RolloutScheduler:
                 self.eval_in_flight += 1
                 self.max_eval_in_flight = max(self.max_eval_in_flight, self.eval_in_flight)
                 try:
-                    await self._episode_with_retries(ref, f"eval-v{version}-{cid}-{i}", f"eval-v{version}",
-                                                     stats[cid], self.eval_episode)
+                    await self._episode_with_retries(
+                        ref, f"eval-v{version}-{cid}-{i}", f"eval-v{version}", stats[cid], self.eval_episode,
+                        seed=request_seed(self.seed, self.node_id, "eval", version, cid, i))
                 finally:
                     self.eval_in_flight -= 1
                     if on_episode:

@@ -99,6 +99,8 @@ def serve_command(cfg: Config, port: int) -> list[str]:
     cmd.append("--enable-prefix-caching" if a.enable_prefix_caching else "--no-enable-prefix-caching")
     if a.enforce_eager:
         cmd.append("--enforce-eager")
+    if a.enable_chunked_prefill is False:  # CPU engines prefill whole prompts (build_engine_args says why)
+        cmd += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(a.max_num_batched_tokens)]
     if resolve_device(cfg.actor.engine.device) == "cuda":
         cmd += ["--gpu-memory-utilization", str(a.gpu_memory_utilization),
                 "--tensor-parallel-size", str(a.tensor_parallel_size)]
