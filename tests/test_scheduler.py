@@ -200,3 +200,18 @@ async def test_cancel_leaves_no_leases_or_open_tasks(engine):
     assert sched.episodes_in_flight == 0 and sched.in_flight_groups == 0
     assert cube.opened == cube.closed > 0
     await assert_engine_idle(engine)
+
+
+async def test_each_node_draws_its_own_tasks_and_a_node_draws_them_again():
+    """Two actors of one run (one run.seed) must not play the same tasks in
+    the same order; a restarted node replays its own draws."""
+    async def draws(node_id: str) -> list[str]:
+        cube = GuessingCube("g", GuessingOptions(), seed=0)
+        settings = EpisodeSettings(SamplingSettings(max_tokens=6), max_turns=3, max_model_len=1024)
+        sched = RolloutScheduler({"g": cube}, {"g": 1.0}, [], None, None, SchedulerConfig(), settings,
+                                 VersionSource(0), seed=0, node_id=node_id)
+        await sched.prepare()
+        return [sched.next_task().task_id for _ in range(20)]
+
+    a = await draws("a")
+    assert a == await draws("a") and a != await draws("b")

@@ -171,7 +171,9 @@ class RolloutScheduler:
         # Group ids must be unique across actors and actor restarts (the
         # trainer drops duplicates by id): the daemon passes node + incarnation.
         self.id_prefix = id_prefix
-        self.rng = random.Random(seed)
+        # Task draws: per node (two actors of one run must not play the same
+        # tasks in the same order), stable across its restarts.
+        self.rng = random.Random(f"{seed}/{node_id}" if node_id else seed)
         # Sampling seeds: (run seed, node, group index, task, attempt,
         # retry, turn) -> one seed per LLM call (episode.request_seed). The
         # node id (stable across restarts, unlike the incarnation) keeps two
