@@ -214,6 +214,7 @@ def test_sigterm_during_engine_start(tiny_model_dir, tmp_path):
         code = d.proc.wait(120)
         stop_s = time.monotonic() - t0
         assert code == 0, d.log_path.read_text()[-3000:]
+        assert "stopped during startup" in d.log_path.read_text()
         # Without waiting for the engine start to finish (10-30 s here).
         assert stop_s < STOP_DEADLINE_S, f"the daemon took {stop_s:.1f} s to stop during its engine start"
         took = assert_all_gone(sid, shm, "the daemon stopped")
@@ -256,13 +257,17 @@ async def test_an_engine_whose_core_died_turns_the_actor_red(tiny_model_dir, eng
     from rlnode.actor.engine import Engine, EngineError, SamplingSettings
     from rlnode.config import ModelConfig
 
+    def engine_cores() -> set[psutil.Process]:
+        return {p for p in psutil.Process().children(recursive=True) if "EngineCor" in p.name()}
+
+    others = engine_cores()  # the suite's shared engine may be up: not this test's to kill
     eng = Engine(0, ModelConfig(path=str(tiny_model_dir), max_model_len=512), engine_config)
     await eng.start()
     try:
         me = types.SimpleNamespace(engines=[eng])
         assert ActorDaemon._local_fault(me) == ""
         await eng.generate([1, 2, 3], SamplingSettings(max_tokens=2))
-        cores = [p for p in psutil.Process().children(recursive=True) if "EngineCor" in p.name()]
+        cores = list(engine_cores() - others)
         assert len(cores) == 1, cores
         cores[0].kill()
         cores[0].wait(10)

@@ -264,6 +264,25 @@ async def test_agents_sdk_streamed_run_executes_the_streamed_tool_call(tokenizer
 # -- the example config, end to end ----------------------------------------------
 
 
+def _log_events(stderr: str) -> list[dict]:
+    """The daemon's JSON log events. The agent processes share its stderr,
+    so one line can hold two records written at once ("{...}{...}"): each
+    is decoded where it starts."""
+    dec, out = json.JSONDecoder(), []
+    for line in stderr.splitlines():
+        i = line.find("{")
+        while i != -1:
+            try:
+                obj, end = dec.raw_decode(line, i)
+            except ValueError:
+                i = line.find("{", i + 1)
+                continue
+            if isinstance(obj, dict) and "event" in obj:
+                out.append(obj)
+            i = line.find("{", end)
+    return out
+
+
 @pytest.mark.engine
 def test_example_config_trains_through_the_gateway(tiny_model_dir, tmp_path):
     """``rlnode --role all --config examples/guess_openai_sdk.toml``, cut to 3
@@ -288,7 +307,7 @@ def test_example_config_trains_through_the_gateway(tiny_model_dir, tmp_path):
         # Each episode makes 1..3 LLM calls (one per guess), each one sample.
         assert x["groups"] == groups and groups * attempts <= x["samples"] <= 3 * groups * attempts
         assert x["weights_pushed"] and x["dropped_stale"] == 0
-    events = [json.loads(l) for l in r.stderr.splitlines() if l.startswith("{")]
+    events = _log_events(r.stderr)
     names = {e["event"] for e in events}
     assert not names & {"episode.failed", "group.dropped", "agent.stopped_by_gateway"}, names
     stopped = next(e for e in events if e["event"] == "actor.stopped")

@@ -249,7 +249,10 @@ def test_runs_under_uvloop():
     uvloop = pytest.importorskip("uvloop")
 
     async def main():
-        return await run_python("print(6 * 7)", FAST), await run_python("while True: pass", FAST)
+        # Wall time well past the CPU limit: on a loaded 2-core box one CPU
+        # second can take more than FAST's 3 s of wall time.
+        return await run_python("print(6 * 7)", FAST), await run_python(
+            "while True: pass", SandboxLimits(cpu_seconds=1, wall_timeout_s=10))
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         ok, looped = runner.run(main())

@@ -305,7 +305,7 @@ class RolloutScheduler:
                                     seed: int | None = None) -> EpisodeResult | None:
         settings = settings or self.episode
         for attempt in range(self.cfg.max_retries + 1):
-            if seed is not None:  # a retry samples anew: it may have failed on what it drew
+            if seed is not None and settings is not None:  # a retry samples anew: it may have failed on what it drew
                 settings = msgspec.structs.replace(settings, seed=request_seed(seed, "retry", attempt))
             try:
                 result = await self._one_episode(ref, episode_id, group_id, settings)
