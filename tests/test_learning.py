@@ -91,7 +91,8 @@ def test_one_seed_replays_its_run_and_sync_steps_are_on_policy(tmp_path):
 
     model = build_tiny_model(tmp_path / "model", seed=0)
     steps = 6
-    procs = {name: _start(tmp_path / name, model, True, steps, "--set", "run.seed=7") for name in ("a", "b")}
+    procs = {name: _start(tmp_path / name, model, True, steps, "--set", "run.seed=7",
+                          "--set", "actor.scheduler.groups_per_step=4") for name in ("a", "b")}
     a, b = (_finish(procs[name], tmp_path / name, steps) for name in ("a", "b"))
     for x, y in zip(a[:5], b[:5]):
         assert {k: x[k] for k in REPLAYED} == {k: y[k] for k in REPLAYED}, (x, y)
