@@ -16,15 +16,16 @@ pytestmark = pytest.mark.engine
 
 
 def _start(run_dir, model, sync: bool, steps: int, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "rlnode", "--role", "all", "--config", str(ROOT / "conf/demo.toml"), "--log-json",
-         "--set", f"model.path={model}", "--set", f"run.run_dir={run_dir}",
-         "--set", f"trainer.max_steps={steps}", "--set", "actor.scheduler.eval_every=0",
-         "--set", f"trainer.port={free_port()}", "--set", "http.trainer_port=0",
-         "--set", f"trainer.weights.base_port={free_port()}", "--set", f"trainer.sync={str(sync).lower()}",
-         *extra],
-        stdout=subprocess.DEVNULL, stderr=open(f"{run_dir}.log", "w"),
-        env={**os.environ, "VLLM_CONFIGURE_LOGGING": "0"}, start_new_session=True)
+    with open(f"{run_dir}.log", "w") as log:  # the child holds its own copy of the descriptor
+        return subprocess.Popen(
+            [sys.executable, "-m", "rlnode", "--role", "all", "--config", str(ROOT / "conf/demo.toml"), "--log-json",
+             "--set", f"model.path={model}", "--set", f"run.run_dir={run_dir}",
+             "--set", f"trainer.max_steps={steps}", "--set", "actor.scheduler.eval_every=0",
+             "--set", f"trainer.port={free_port()}", "--set", "http.trainer_port=0",
+             "--set", f"trainer.weights.base_port={free_port()}", "--set", f"trainer.sync={str(sync).lower()}",
+             *extra],
+            stdout=subprocess.DEVNULL, stderr=log,
+            env={**os.environ, "VLLM_CONFIGURE_LOGGING": "0"}, start_new_session=True)
 
 
 def _finish(proc: subprocess.Popen, run_dir, steps: int) -> list[dict]:
