@@ -218,6 +218,14 @@ class LossConfig(_Section):
     # "tokens": sum over every trained token / tokens in the step;
     # "sequences": per-sample token mean, then mean over samples.
     normalize: Literal["tokens", "sequences"] = "tokens"
+    # Per-token masking by version lag: a token produced by weights more
+    # than this many versions behind the trainer's gets no gradient (its
+    # importance weight is the least reliable), while the newer tokens of
+    # the same sample still train. Tokens carry their own version (a push
+    # mid-generation starts a new one), so this can be tighter than
+    # actor.scheduler.max_lag, which drops whole samples by the version
+    # they started at. -1 = off; 0 = train only on-policy tokens.
+    max_token_lag: Annotated[int, Meta(ge=-1)] = -1
 
 
 class AdvantageConfig(_Section):

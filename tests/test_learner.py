@@ -1,6 +1,9 @@
 """The trainer's scoring, batch building and optimizer step on a tiny model
 (no engine: samples are drawn from the transformers model itself)."""
 
+import math
+
+import pytest
 import torch
 
 from conftest import reference_logprobs
@@ -132,6 +135,34 @@ def test_on_policy_parity_metric_counts_only_lag0_samples(tiny_model_dir, hf_mod
                                                       make_sample(hf_model, [5], [7], "h/e1", 2)])],
                              3, 1, AdvantageConfig(), BufferCounters())
     assert learner.train_step(only_stale).on_policy_diff_max is None
+
+
+def test_each_token_gets_the_lag_of_the_weights_that_produced_it(tiny_model_dir, hf_model):
+    """A call that started at version 2 and took a push (version 3) after its
+    first token: that token is 1 version behind a trainer at 3, the second
+    is on policy. The step counts tokens per lag, the mismatch per lag, and
+    with loss.max_token_lag = 0 masks the stale token only."""
+    cfg = load_config(None, [f"model.path={tiny_model_dir}", "trainer.device=\"cpu\"", "trainer.micro_batch_size=1",
+                             "trainer.loss.max_token_lag=0"])
+    learner = Learner(cfg)
+    mixed = make_sample(hf_model, [5, 6], [40, 41, 42], "g/e0", 2, behaviour_shift=0.5)
+    mixed.weight_versions = [("2", 0, 1), ("3", 1, 3)]
+    fresh = make_sample(hf_model, [5, 6], [50, 51], "g/e1", 3)
+    batch = build_batch([group("g", [1.0, 0.0], [mixed, fresh])], 3, 1, AdvantageConfig(), BufferCounters())
+    assert [t.tolist() for t in batch.token_lags] == [[1, 0, 0], [0, 0]] and batch.lags == [1, 0]
+    m = learner.train_step(batch)
+    assert m.token_lag_hist == {0: 4, 1: 1}
+    f = m.mismatch
+    assert (f["tokens"], f["lag0/tokens"], f["lag1/tokens"]) == (5, 4, 1)
+    # mixed's tokens are all 0.5 nats off (d = -0.5): k3 = e^-0.5 - 1 + 0.5
+    k3 = math.exp(-0.5) - 0.5
+    assert abs(f["lag1/mismatch_kl"] - k3) < 1e-5 and abs(f["lag1/logprob_absdiff_max"] - 0.5) < 1e-5
+    assert abs(f["lag0/mismatch_kl"] - 2 * k3 / 4) < 1e-5  # two of the four lag-0 tokens are mixed's
+    assert abs(f["masked_fraction"] - 1 / 5) < 1e-6 and m.extra["lag_masked_fraction"] == pytest.approx(1 / 5)
+    # Spans without a version label (or none at all) fall back to the call's start.
+    mixed.weight_versions = [("default", 0, 3)]
+    assert build_batch([group("g", [1.0, 0.0], [mixed, fresh])], 3, 1, AdvantageConfig(),
+                       BufferCounters()).token_lags[0].tolist() == [1, 1, 1]
 
 
 def test_entropy_bonus_trains_on_zero_signal_groups(tiny_model_dir, hf_model):

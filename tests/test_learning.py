@@ -70,11 +70,17 @@ def test_reward_goes_up(tmp_path):
     # Often only the first step is at lag 0 in async mode.
     on_policy = _on_policy(records)
     assert on_policy and max(on_policy) < 1e-3, on_policy
+    # Tokens are counted per version lag (bounded by max_lag 1) and the
+    # lag-0 ones match the trainer as in sync mode.
+    assert all(set(x["token_lag_hist"]) <= {"0", "1"} and sum(x["token_lag_hist"].values()) == x["tokens"]
+               for x in records)
+    assert any("1" in x["token_lag_hist"] for x in records)
+    assert all(x["offpolicy/lag0/logprob_absdiff_max"] < 1e-3 for x in records if "0" in x["token_lag_hist"])
 
 
 # What two runs of one seed must share, step by step (timings and ids aside).
 REPLAYED = ("version", "reward_mean", "success_mean", "groups", "samples", "tokens", "lag_max", "dropped_stale",
-            "zero_signal_groups")
+            "zero_signal_groups", "token_lag_hist")
 
 
 def test_one_seed_replays_its_run_and_sync_steps_are_on_policy(tmp_path):
@@ -102,3 +108,11 @@ def test_one_seed_replays_its_run_and_sync_steps_are_on_policy(tmp_path):
         assert all(x["lag_max"] == 0 for x in run)
         on_policy = _on_policy(run)
         assert len(on_policy) >= steps // 2 and max(on_policy) < 1e-3, on_policy
+        # The on-policy mismatch as a regression check: fp32 engine and
+        # trainer on one CPU agree to ~1e-6 nats per token, so the k3 KL
+        # (~d^2/2) is ~1e-12, and every importance weight is ~1.
+        for x in run:
+            assert x["token_lag_hist"] == {"0": x["tokens"]}, x["token_lag_hist"]
+            assert x["offpolicy/mismatch_kl"] < 1e-8 and x["offpolicy/lag0/mismatch_kl"] < 1e-8, x
+            assert x["offpolicy/logprob_absdiff_p99"] < 1e-4 and x["offpolicy/is_ess"] > 0.9999, x
+            assert x["offpolicy/masked_fraction"] == 0 and x["offpolicy/truncated_fraction"] == 0, x

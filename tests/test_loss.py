@@ -253,3 +253,69 @@ def test_all_padding_batch_is_zero_not_nan(kind):
     assert (inp.logprobs.grad == 0).all()
     assert out.metrics == {"tokens": 0.0, "ratio_mean": 0.0, "ratio_max": 0.0, "clip_fraction": 0.0,
                            "logprob_diff_mean": 0.0, "kl": 0.0}
+
+
+# ------------------------------------------------ per-token version lag mask
+def test_lag_mask_drops_only_stale_tokens_and_keeps_the_normaliser():
+    # tis_reinforce on the shared example with token lags
+    #   [[0, 2, 1], [1, 1, pad]], max_token_lag 1: only row 0's token 1 (l = 8,
+    #   grad -0.8 unmasked) is cut; the loss keeps N = 5:
+    #   loss = (10.5 - 8 - 3.5) / 5 = -0.2
+    inp = example()
+    inp.token_lag = torch.tensor([[0, 2, 1], [1, 1, 9]])
+    out = policy_loss(inp, LossConfig(kind="tis_reinforce", is_cap=2.0, max_token_lag=1), 5)
+    out.loss.backward()
+    close(out.loss, -0.2)
+    close(inp.logprobs.grad, [[-0.4, 0.0, -0.2], [0.4, 0.1, 0.0]])
+    close(out.metrics["lag_masked_fraction"], 0.2)
+    # max_token_lag 0: on-policy tokens only (row 0's first token)
+    inp = example()
+    inp.token_lag = torch.tensor([[0, 2, 1], [1, 1, 9]])
+    out = policy_loss(inp, LossConfig(kind="ppo_clip", max_token_lag=0), 5)
+    out.loss.backward()
+    assert (inp.logprobs.grad.flatten()[1:] == 0).all() and inp.logprobs.grad[0, 0] != 0
+    close(out.metrics["lag_masked_fraction"], 0.8)
+    with pytest.raises(ValueError, match="token_lag"):
+        policy_loss(example(), LossConfig(max_token_lag=1), 5)
+
+
+def test_lag_mask_off_by_default_ignores_lags():
+    inp = example()
+    inp.token_lag = torch.full((2, 3), 7)
+    out = policy_loss(inp, LossConfig(kind="tis_reinforce", is_cap=2.0), 5)
+    close(out.loss, 1.4)
+    assert "lag_masked_fraction" not in out.metrics
+
+
+# ------------------------------------------------ train/inference mismatch
+def test_mismatch_figures_by_hand():
+    from rlnode.trainer.loss import mismatch_figures
+
+    # d = logpi - logmu per token: lag 0 tokens d = [0, ln2], lag 1 token d = -ln2
+    #   r = [1, 2, 0.5]; k3 = r - 1 - d = [0, 1 - ln2, ln2 - 0.5]
+    #   mismatch_kl = (0 + 1 - ln2 + ln2 - 0.5) / 3 = 1/6
+    #   |d| = [0, ln2, ln2]: mean 2 ln2 / 3, p99 = max = ln2
+    #   tis weights min(r, 1.5) = [1, 1.5, 0.5]: ESS = 3^2 / (3 * 3.5) = 6/7
+    d = torch.tensor([0.0, LN2, -LN2])
+    lag = torch.tensor([0, 0, 1])
+    f = mismatch_figures(d, lag, LossConfig(kind="tis_reinforce", is_cap=1.5))
+    close([f["tokens"], f["mismatch_kl"], f["logprob_absdiff_mean"], f["logprob_absdiff_p99"],
+           f["logprob_absdiff_max"], f["is_ess"]], [3, 1 / 6, 2 * LN2 / 3, LN2, LN2, 6 / 7])
+    # lag 0: k3 [0, 1 - ln2]; weights [1, 1.5]: ESS 2.5^2 / (2 * 3.25)
+    close([f["lag0/tokens"], f["lag0/mismatch_kl"], f["lag0/logprob_absdiff_max"], f["lag0/is_ess"]],
+          [2, (1 - LN2) / 2, LN2, 6.25 / 6.5])
+    close([f["lag1/tokens"], f["lag1/mismatch_kl"], f["lag1/is_ess"]], [1, LN2 - 0.5, 1.0])
+    # ppo_clip weighs by the raw ratio r: [1, 2, 0.5]: ESS 3.5^2 / (3 * 5.25)
+    close(mismatch_figures(d, lag, LossConfig(kind="ppo_clip"))["is_ess"], 3.5 ** 2 / 15.75)
+    # on policy, exactly: no mismatch, full ESS
+    f = mismatch_figures(torch.zeros(4), torch.zeros(4, dtype=torch.long), LossConfig())
+    assert f["mismatch_kl"] == 0 and f["is_ess"] == 1 and f["logprob_absdiff_max"] == 0
+    assert set(k.partition("/")[0] for k in f if "/" in k) == {"lag0"}
+
+
+def test_mismatch_p99_is_a_percentile_not_the_max():
+    from rlnode.trainer.loss import mismatch_figures
+
+    d = torch.cat([torch.full((990,), 0.01), torch.full((10,), 5.0)])  # 1% outliers
+    f = mismatch_figures(d, torch.zeros(1000, dtype=torch.long), LossConfig())
+    close([f["logprob_absdiff_p99"], f["logprob_absdiff_max"]], [0.01, 5.0])

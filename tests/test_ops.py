@@ -199,6 +199,12 @@ def test_metrics_parse_and_move(running_job):
         assert b > a, f"{name} did not move: {a} -> {b}"
     assert second[("rlnode_link_connected", (("trainer", f"127.0.0.1:{_trainer_port(running_job)}"),))] == 1.0
     assert second[("rlnode_router_capacity", (("engine", "0"),))] == 8
+    # The train/inference mismatch of the last step, overall and per token lag.
+    assert 0 <= second[("rlnode_trainer_mismatch_kl", ())] < 1
+    assert 0 < second[("rlnode_trainer_is_ess", ())] <= 1
+    by_lag = {dict(lab)["lag"]: v for (n, lab), v in second.items() if n == "rlnode_trainer_tokens_by_lag"}
+    assert by_lag and all(v > 0 for v in by_lag.values()), by_lag
+    assert {dict(lab)["lag"] for (n, lab), _ in second.items() if n == "rlnode_trainer_mismatch_kl_by_lag"} == set(by_lag)
     st = json.loads(_get(running_job, "/status")[1])
     assert st["healthy"] and set(st["roles"]) == {"trainer", "actor"}
 
@@ -225,6 +231,8 @@ def test_dashboard_renders_real_data(running_job, tmp_path):
     assert int(points["reward"]) >= 4, points  # one point per step (x2 series)
     assert int(points["eval"]) >= 1, points
     assert int(points["lag"]) >= 4 and int(points["router"]) >= 2, points
+    # The off-policy figures: a point per step and series.
+    assert int(points["mismatch"]) >= 6 and int(points["weights"]) >= 6 and int(points["taglag"]) >= 2, points
     assert "healthy" in dom and "step " in dom
     shot = tmp_path / "dashboard.png"
     subprocess.run([*flags, f"--screenshot={shot}", url], capture_output=True, timeout=120)

@@ -159,6 +159,25 @@ def test_versions_may_run_ahead_by_max_version_ahead_only():
         V.R_VERSION, f"sample {g.samples[1].sample_id!r} policy_version -1 outside [0, 8] (trainer at 3)")
 
 
+def test_token_version_spans_must_cover_the_samples_tokens_with_versions_the_trainer_made():
+    g = group(version=3)
+    s = g.samples[0]
+    n = len(s.completion_ids) // 4
+    s.weight_versions = [("3", 0, 1), ("4", 1, n)]
+    assert validate_group(g, LIMITS, version=3) is None
+    for spans, detail in (([("3", 0, n + 1)], f"version span [0, {n + 1}) outside [0, {n}]"),
+                          ([("3", 2, 1)], f"version span [2, 1) outside [0, {n}]"),
+                          ([("9", 0, n)], "tokens of version 9 outside [0, 8] (trainer at 3)"),
+                          ([("-1", 0, n)], "tokens of version -1 outside [0, 8] (trainer at 3)")):
+        s.weight_versions = spans
+        assert validate_group(g, LIMITS, version=3) == (V.R_VERSION, f"sample {s.sample_id!r}: {detail}")
+    # A label that is no version (vLLM's "default") or too long to be one is
+    # not checked (the batch falls back to the call's version), never parsed.
+    for label in ("default", "9" * 5000):
+        s.weight_versions = [(label, 0, n)]
+        assert validate_group(g, LIMITS, version=3) is None
+
+
 def test_duplicates_and_foreign_samples():
     g = group()
     g.samples[2].sample_id = g.samples[0].sample_id

@@ -154,6 +154,19 @@ def _check_versions(g: GroupDelivery, limits: GroupLimits, version: int) -> Inva
             (f"sample {s.sample_id!r} policy_version", s.policy_version) for s in g.samples]:
         if v < 0 or v > newest:
             return R_VERSION, f"{what} {v} outside [0, {newest}] (trainer at {version})"
+    # Per-token versions (the loss's token lags, trainer/buffer.py): spans
+    # over tokens the sample has, naming versions the trainer can have made
+    # (not necessarily >= policy_version: a restarted trainer pushes its
+    # checkpoint's older version into a running request).
+    for s in g.samples:
+        n = len(s.completion_ids) // 4
+        for label, start, end in s.weight_versions:
+            if not 0 <= start <= end <= n:
+                return R_VERSION, f"sample {s.sample_id!r}: version span [{start}, {end}) outside [0, {n}]"
+            # (isdigit on at most 18 characters: int() refuses > 4,300 digits)
+            if len(label) <= 18 and label.lstrip("-").isdigit() and not 0 <= int(label) <= newest:
+                return R_VERSION, (f"sample {s.sample_id!r}: tokens of version {label} outside "
+                                   f"[0, {newest}] (trainer at {version})")
     return None
 
 

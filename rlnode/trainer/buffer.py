@@ -17,6 +17,7 @@ import asyncio
 import collections
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from rlnode.config import AdvantageConfig
@@ -33,7 +34,11 @@ class Batch:
     group_ids: list[str]  # every group consumed by this step (trained or skipped)
     rewards: list[float]  # every episode reward of the consumed groups
     successes: list[float]
-    lags: list[int]  # per trained sample
+    lags: list[int]  # per trained sample: trainer version - the version it started at
+    # Per trained sample, one per completion token: trainer version - the
+    # version of the weights that produced that token (token_versions).
+    token_lags: list[np.ndarray] = field(default_factory=list)
+    version: int = 0  # the trainer version the lags are counted from
     dropped_stale: int = 0
     zero_signal_groups: int = 0
     cubes: dict[str, list[float]] = field(default_factory=dict)  # cube id -> episode rewards
@@ -98,12 +103,28 @@ class GroupBuffer:
         return build_batch(groups, version, self.max_lag, self.adv_cfg, self.counters, self.keep_zero_signal)
 
 
+def token_versions(s: TrainingSample) -> np.ndarray:
+    """The policy version of the weights that produced each completion
+    token (int64 [n]). The engine labels its spans with str(version) (vLLM's
+    CompletionOutput.weight_versions, or the engine wrapper's own tracking);
+    a token outside every span, or under a label that is no version, takes
+    the version its call started at, the oldest it can be."""
+    n = len(s.completion_ids) // 4
+    out = np.full(n, s.policy_version, dtype=np.int64)
+    for label, start, end in s.weight_versions:
+        if len(label) > 18 or not label.lstrip("-").isdigit():
+            continue
+        v = int(label)
+        out[max(0, start):max(0, min(end, n))] = v
+    return out
+
+
 def build_batch(groups: list[GroupDelivery], version: int, max_lag: int, adv_cfg: AdvantageConfig,
                 counters: BufferCounters, keep_zero_signal: bool = False) -> Batch:
     """``keep_zero_signal``: train on zero-signal groups' samples too, with
     advantage 0 (only an entropy or KL term acts on them); they are counted
     as zero-signal either way."""
-    batch = Batch([], [], [g.group_id for g in groups], [], [], [])
+    batch = Batch([], [], [g.group_id for g in groups], [], [], [], version=version)
     if not groups:
         return batch
     # rewards [G, A]: groups are complete, so every row has `attempts` entries.
@@ -133,6 +154,7 @@ def build_batch(groups: list[GroupDelivery], version: int, max_lag: int, adv_cfg
             batch.samples.append(s)
             batch.advantages.append(by_episode[s.episode_id])
             batch.lags.append(lag)
+            batch.token_lags.append(version - token_versions(s))
             batch.norm_samples += 1
             batch.norm_tokens += int(s.completion_mask.sum())
             fresh += 1

@@ -283,6 +283,10 @@ class TrainerDaemon:
             # Where each group died: trained (or skipped) in this step.
             "group_ids": batch.group_ids,
             **{f"loss/{k}": v for k, v in m.extra.items() if k != "tokens"},
+            # Train/inference mismatch (loss.mismatch_figures): overall and
+            # per token version lag; trained tokens per lag.
+            **{f"offpolicy/{k}": v for k, v in m.mismatch.items()},
+            "token_lag_hist": {str(k): n for k, n in sorted(m.token_lag_hist.items())},
         }
         self.last_metrics = rec
         self.step_history.append(rec)
@@ -423,6 +427,18 @@ class TrainerDaemon:
                            ("logprob_diff_mean", "last step mean |engine - trainer| logprob")):
             if key in m:
                 out.append((f"rlnode_trainer_{key}", "gauge", help_, {}, float(m[key])))
+        for key, help_ in OFFPOLICY_GAUGES:
+            if f"offpolicy/{key}" in m:
+                out.append((f"rlnode_trainer_{key}", "gauge", help_, {}, float(m[f"offpolicy/{key}"])))
+        names = {g for g, _ in OFFPOLICY_GAUGES}
+        for key, v in m.items():  # the same figures per token version lag
+            lag, _, name = key.removeprefix("offpolicy/lag").partition("/")
+            if key.startswith("offpolicy/lag") and lag.isdigit() and name in names:
+                out.append((f"rlnode_trainer_{name}_by_lag", "gauge", f"last step, tokens at one version lag: {name}",
+                            {"lag": lag}, float(v)))
+        for lag, n in m.get("token_lag_hist", {}).items():
+            out.append(("rlnode_trainer_tokens_by_lag", "gauge", "last step's trained tokens per version lag",
+                        {"lag": lag}, float(n)))
         if self.link is not None:
             out += [("rlnode_credits_outstanding", "gauge", "groups admitted and not yet consumed (all actors)", {},
                      self.link.credits.outstanding()),
@@ -458,6 +474,19 @@ class TrainerDaemon:
 
     def history(self) -> dict:
         return {"steps": list(self.step_history), "evals": list(self.eval_history)}
+
+
+# The train/inference mismatch gauges (last step), from metrics.jsonl's
+# offpolicy/* figures (rlnode/trainer/loss.py: mismatch_figures).
+OFFPOLICY_GAUGES = (
+    ("mismatch_kl", "last step k3 KL(engine || trainer) over trained tokens"),
+    ("logprob_absdiff_mean", "last step mean |engine - trainer| logprob"),
+    ("logprob_absdiff_p99", "last step p99 |engine - trainer| logprob"),
+    ("logprob_absdiff_max", "last step max |engine - trainer| logprob"),
+    ("is_ess", "last step importance-sampling effective sample size / tokens"),
+    ("truncated_fraction", "last step share of trained tokens whose IS weight was truncated or clipped"),
+    ("masked_fraction", "last step share of completion tokens without gradient (loss mask, lag mask)"),
+)
 
 
 def print_final_table(trainer: TrainerDaemon) -> None:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
@@ -34,7 +34,7 @@ import torch
 
 from rlnode.config import Config, ConfigError
 from rlnode.trainer.buffer import Batch
-from rlnode.trainer.loss import LossInputs, policy_loss
+from rlnode.trainer.loss import LossInputs, mismatch_figures, policy_loss
 from rlnode.trainer.memory_plan import check_learner_memory, resolve_adamw_impl
 from rlnode.trainer.scoring import (MicroBatch, PackedRow, bucket_micro_batches, budget_micro_batches,
                                     chunked_logprobs, packed_inputs, padded_inputs)
@@ -57,6 +57,11 @@ class StepMetrics:
     # The loss or the gradient was not finite: no optimizer step was taken
     # (the weights, the optimizer state and the lr schedule are unchanged).
     skipped: bool = False
+    # Train/inference mismatch over the trained tokens (loss.mismatch_figures,
+    # with truncated_fraction and masked_fraction), and trained tokens per
+    # version lag.
+    mismatch: dict[str, float] = field(default_factory=dict)
+    token_lag_hist: dict[int, int] = field(default_factory=dict)
 
 
 def resolve_trainer_device(device: str) -> torch.device:
@@ -302,15 +307,22 @@ class Learner:
         self.optimizer.zero_grad(set_to_none=True)
         total_loss, diff_sum, agg = 0.0, 0.0, {}
         on_policy_max: float | None = None
+        # The step's trained tokens, for the train/inference mismatch figures.
+        log_ratios: list[torch.Tensor] = []
+        token_lags: list[torch.Tensor] = []
+        completion_tokens = 0
         mbs = self.micro_batches(samples)
         for mb in mbs:
             part = [samples[i] for i in mb.samples]
             logp, mask, entropy = self.token_logprobs(self.model, part, entropy_grad=cfg.loss.entropy_coef > 0,
                                                       rows=mb.rows)
             mu = torch.zeros_like(logp)
-            for j, s in enumerate(part):
+            lag = torch.zeros(logp.shape, dtype=torch.long)
+            for j, (i, s) in enumerate(zip(mb.samples, part)):
                 lp = torch.from_numpy(s.completion_logprobs.astype("float32"))
                 mu[j, : len(lp)] = lp.to(self.device)
+                lag[j, : len(lp)] = torch.from_numpy(batch.token_lags[i]) if batch.token_lags else batch.lags[i]
+            lag = lag.to(self.device)
             ref = None
             if self.ref_model is not None:
                 with torch.no_grad():
@@ -318,8 +330,12 @@ class Learner:
             adv = torch.tensor([batch.advantages[i] for i in mb.samples], dtype=torch.float32, device=self.device)
             # Divided by the whole step's normalizer: the micro-batch losses
             # (and their gradients) sum to the loss of the step as one batch.
-            out = policy_loss(LossInputs(logp, mu, adv, mask, ref, entropy), cfg.loss, normalizer)
+            out = policy_loss(LossInputs(logp, mu, adv, mask, ref, entropy, lag), cfg.loss, normalizer)
             out.loss.backward()
+            trained = mask.bool()
+            log_ratios.append((logp.detach() - mu)[trained].cpu())
+            token_lags.append(lag[trained].cpu())
+            completion_tokens += sum(len(s.completion_ids) // 4 for s in part)
             total_loss += float(out.loss.detach())
             diff_sum += out.metrics["logprob_diff_mean"] * out.metrics["tokens"]
             lag0 = [j for j, i in enumerate(mb.samples) if batch.lags[i] == 0]
@@ -342,10 +358,21 @@ class Learner:
         extra["forward_tokens"] = float(forward)
         extra["pad_tokens"] = float(forward - sum(mb.tokens for mb in mbs))
         extra["pad_fraction"] = extra["pad_tokens"] / max(1, forward)
+        mismatch, lag_hist = {}, {}
+        if log_ratios:
+            lags = torch.cat(token_lags)
+            mismatch = mismatch_figures(torch.cat(log_ratios), lags, cfg.loss)
+            mismatch["truncated_fraction"] = extra.get("clip_fraction", 0.0)
+            # Completion tokens the loss never saw (loss mask 0: e.g. an
+            # agent's own tool-call syntax), plus those the lag mask cut.
+            mismatch["masked_fraction"] = ((completion_tokens - tokens) / max(1, completion_tokens)
+                                           + extra.get("lag_masked_fraction", 0.0) * tokens / max(1, completion_tokens))
+            values, counts = torch.unique(lags, return_counts=True)
+            lag_hist = {int(v): int(c) for v, c in zip(values.tolist(), counts.tolist())}
         return StepMetrics(
             loss=total_loss, grad_norm=grad_norm, lr=self.scheduler.get_last_lr()[0], samples=len(samples),
             tokens=tokens, logprob_diff_mean=diff_sum / max(1, tokens), on_policy_diff_max=on_policy_max, extra=extra,
-            step_s=time.perf_counter() - t0, skipped=not stepped,
+            step_s=time.perf_counter() - t0, skipped=not stepped, mismatch=mismatch, token_lag_hist=lag_hist,
         )
 
     def _clip_and_step(self, loss_finite: bool) -> tuple[float, bool]:

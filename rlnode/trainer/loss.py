@@ -15,6 +15,7 @@ token of it. Every LLM call of an episode carries the episode's advantage A.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -62,6 +63,9 @@ class LossInputs:
     # [B, T] entropy of pi_theta(. | context) at each completion token, over
     # the whole vocabulary at the sampling temperature (grad; entropy term).
     entropy: torch.Tensor | None = None
+    # [B, T] version lag of each token: trainer version - the version of
+    # the weights that produced it (loss.max_token_lag).
+    token_lag: torch.Tensor | None = None
 
 
 @dataclass
@@ -92,6 +96,15 @@ class LossOutput:
 #       have A = 0 and no policy gradient, so without it a policy that turned
 #       deterministic too early can never leave (the trainer then keeps
 #       zero-signal groups in the batch for this term).
+# Lag mask (max_token_lag = L >= 0): l_t *= 1[lag_t <= L], lag_t = trainer
+#   version - version of the weights that produced token t. Per-token IS
+#   masking by version lag: the further behind mu is, the less a (truncated)
+#   importance weight corrects for it, so such tokens get no gradient; the
+#   sample's newer tokens (after a push mid-generation) still train. Masked
+#   tokens stay in the normaliser N: masking never enlarges the step.
+#   (Chosen over AReaL's decoupled PPO: with one optimizer step per batch
+#   its proximal policy is pi_theta itself, and the objective reduces to
+#   "tis_reinforce".)
 # clip_fraction = share of tokens whose ratio was cut: r_t > c (tis), the
 # min picked the clipped term (ppo_clip; per sequence, counted per token, gspo).
 #
@@ -108,6 +121,8 @@ def policy_loss(inp: LossInputs, cfg: LossConfig, normalizer: float) -> LossOutp
         raise ValueError("loss.kl_coef > 0 needs ref_logprobs")
     if cfg.entropy_coef > 0 and inp.entropy is None:
         raise ValueError("loss.entropy_coef > 0 needs entropy")
+    if cfg.max_token_lag >= 0 and inp.token_lag is None:
+        raise ValueError("loss.max_token_lag >= 0 needs token_lag")
     m = inp.mask.bool()  # [B, T]
     n_tok = m.sum(dim=1).clamp(min=1)  # [B]; all-padding rows divide by 1, not 0
     # Padding is set to 0 first, so garbage (inf, nan) there cannot leak.
@@ -145,6 +160,10 @@ def policy_loss(inp: LossInputs, cfg: LossConfig, normalizer: float) -> LossOutp
         per_tok = per_tok - cfg.entropy_coef * ent
 
     per_tok = torch.where(m, per_tok, 0.0)  # [B, T]
+    lag_masked = None
+    if cfg.max_token_lag >= 0:
+        lag_masked = m & (inp.token_lag > cfg.max_token_lag)  # [B, T]
+        per_tok = torch.where(lag_masked, 0.0, per_tok)
     if cfg.normalize == "tokens":
         loss = per_tok.sum() / normalizer
     else:
@@ -163,5 +182,45 @@ def policy_loss(inp: LossInputs, cfg: LossConfig, normalizer: float) -> LossOutp
         stats["kl"] = k3.detach().sum() / den
     if ent is not None:
         stats["entropy"] = ent.detach().sum() / den
+    if lag_masked is not None:
+        stats["lag_masked_fraction"] = lag_masked.sum() / den
     values = torch.stack(list(stats.values())).tolist()  # one device sync
     return LossOutput(loss=loss, metrics=dict(zip(stats, values)))
+
+
+# ---------------------------------------------------------------------------
+# Train/inference mismatch: the figures a degrading run is read by. Over the
+# trained tokens of one step, before it: d_t = logpi - logmu (trainer minus
+# engine, the same token under the same weights version or an older mu),
+# r_t = exp(d_t).
+#   mismatch_kl = mean_t (r_t - 1 - d_t)   k3 estimator of KL(mu || pi) from
+#       mu's own samples: >= 0 per token, unbiased (prime-rl "mismatch_kl",
+#       verl "k3_kl"; NeMo-RL reports this divergence as "gen_kl_error").
+#   logprob_absdiff_{mean,p99,max} = mean / 99th percentile / max of |d_t|.
+#   is_ess = (sum_t w_t)^2 / (N sum_t w_t^2), w_t = the importance weight
+#       the loss applies (min(r_t, is_cap) for "tis_reinforce", else r_t):
+#       the effective sample size as a fraction of the N tokens, in (0, 1];
+#       1 when every weight is equal (verl "rollout_is_eff_sample_size").
+# Each again per version lag of the token ("lag{k}/..." with its token
+# count): at lag 0 the gap is numerics alone (kernels, dtype), ~1e-6 in
+# fp32 here; above it, the policy moved.
+def mismatch_figures(log_ratio: torch.Tensor, token_lag: torch.Tensor, cfg: LossConfig) -> dict[str, float]:
+    """log_ratio, token_lag: [N] over the step's trained tokens (no grad)."""
+    out: dict[str, float] = {}
+    groups = [("", torch.ones_like(token_lag, dtype=torch.bool))]
+    groups += [(f"lag{int(k)}/", token_lag == k) for k in torch.unique(token_lag).tolist()]
+    for prefix, sel in groups:
+        d = log_ratio[sel].double()
+        n = d.numel()
+        if n == 0:
+            continue
+        r = d.exp()
+        w = r.clamp(max=cfg.is_cap) if cfg.kind == "tis_reinforce" else r
+        a = d.abs()
+        out[prefix + "tokens"] = float(n)
+        out[prefix + "mismatch_kl"] = float((r - 1 - d).mean())
+        out[prefix + "logprob_absdiff_mean"] = float(a.mean())
+        out[prefix + "logprob_absdiff_p99"] = float(a.kthvalue(max(1, math.ceil(0.99 * n))).values)
+        out[prefix + "logprob_absdiff_max"] = float(a.max())
+        out[prefix + "is_ess"] = float(w.sum() ** 2 / (n * (w * w).sum()).clamp(min=1e-300))
+    return out

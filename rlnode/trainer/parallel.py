@@ -74,6 +74,7 @@ class Step(msgspec.Struct, tag="step", array_like=True):
     parts: list[StepPart]
     norm_tokens: int  # the whole step's loss normalizers (every rank's)
     norm_samples: int
+    version: int = 0  # the trainer's version: token lags count from it
 
 
 class Gather(msgspec.Struct, tag="gather", array_like=True):
@@ -273,11 +274,12 @@ class RankLearner:
     # -- a step --------------------------------------------------------------
 
     def step(self, cmd: Step):
-        from rlnode.trainer.buffer import Batch
+        from rlnode.trainer.buffer import Batch, token_versions
 
         part = cmd.parts[self.rank]
         batch = Batch(part.samples, part.advantages, [], [], [], part.lags,
-                      norm_tokens=cmd.norm_tokens, norm_samples=cmd.norm_samples)
+                      token_lags=[cmd.version - token_versions(s) for s in part.samples],
+                      norm_tokens=cmd.norm_tokens, norm_samples=cmd.norm_samples, version=cmd.version)
         self.sync.active = True
         try:
             m = self.learner.train_step(batch)
@@ -305,6 +307,25 @@ class RankLearner:
                 extra[k] = sum(r.extra[k] * r.tokens for r in all_ if k in r.extra) / max(1, w)
         if "pad_tokens" in extra:  # a ratio of the sums, not a mean of ratios
             extra["pad_fraction"] = extra["pad_tokens"] / max(1.0, extra["forward_tokens"])
+        # Mismatch figures: counts add, maxima take the max, means weigh by
+        # each rank's tokens in that lag group; a p99 takes the ranks' max (an
+        # upper bound: the exact one needs every rank's tokens in one place).
+        mismatch: dict[str, float] = {}
+        for k in {k for r in all_ for k in r.mismatch}:
+            group = k.rpartition("/")[0] + "/" if "/" in k else ""
+            have = [r for r in all_ if k in r.mismatch]
+            if k.endswith("tokens"):
+                mismatch[k] = sum(r.mismatch[k] for r in have)
+            elif k.endswith("_max") or k.endswith("_p99"):
+                mismatch[k] = max(r.mismatch[k] for r in have)
+            else:
+                w = [r.mismatch.get(group + "tokens", r.tokens) for r in have]
+                mismatch[k] = sum(r.mismatch[k] * x for r, x in zip(have, w)) / max(1.0, sum(w))
+        hist: dict[int, int] = {}
+        for r in all_:
+            for lag, n in r.token_lag_hist.items():
+                hist[lag] = hist.get(lag, 0) + n
+        m.mismatch, m.token_lag_hist = mismatch, hist
         m.loss = sum(r.loss for r in all_)
         m.samples = sum(r.samples for r in all_)
         m.tokens = tokens
@@ -471,8 +492,9 @@ class RankGroup:
         parts = [StepPart([batch.samples[i] for i in ix], [batch.advantages[i] for i in ix],
                           [batch.lags[i] for i in ix]) for ix in idx]
         with self._lock:
-            send_command(Step(parts, batch.norm_tokens, batch.norm_samples), self.rank0.ctl)
-            return self.rank0.step(Step(parts, batch.norm_tokens, batch.norm_samples))
+            cmd = Step(parts, batch.norm_tokens, batch.norm_samples, batch.version)
+            send_command(cmd, self.rank0.ctl)
+            return self.rank0.step(cmd)
 
     def tensor_metas(self, dtype: torch.dtype | None = None) -> list[tuple[str, torch.Tensor]]:
         """(name, meta tensor of the full shape) per parameter, each once, in
