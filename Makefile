@@ -27,7 +27,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[$(EXTRA),agents,verifiers,dev]'
+	$(BIN)/python -m pip install -q -e '.[$(EXTRA),agents,verifiers,trackers,dev]'
 	# pip pulls CUDA builds of torchvision/torchaudio/torchcodec beside the CPU
 	# torch; they break `import transformers` (DESIGN §8). We use none of them.
 	if [ "$(EXTRA)" = cpu ]; then $(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true; fi

@@ -19,7 +19,7 @@ import sys
 from rlnode import __version__
 
 ROLES = ("trainer", "actor", "all")
-BENCHES = ("router", "transport", "weights", "async", "fuzz", "trainer", "gateway", "link")
+BENCHES = ("router", "transport", "weights", "async", "fuzz", "trainer", "gateway", "link", "learn")
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -114,7 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "gateway: the guessing game through the OpenAI-compatible gateway (openai-SDK agent) "
                        "vs the native agent loop (tokens/s; --requests = episodes per round); "
                        "link: one trainer link against N simulated actors (groups/s, trainer CPU per group, "
-                       "submit->ack p99, credit fairness)")
+                       "submit->ack p99, credit fairness); "
+                       "learn: the recipe per seed (held-out success per version, final, time to --target, "
+                       "spread), with --async sync vs pipelined at equal steps and samples")
     _add_config_args(bench)
     bench.add_argument("--model", metavar="PATH", help="model directory (overrides model.path)")
     bench.add_argument("--concurrency", type=int, default=32, help="concurrent requests (default 32)")
@@ -123,6 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--rounds", type=int, default=5, help="timed rounds per mode (default 5)")
     bench.add_argument("--samples", type=int, default=2000, help="transport: samples to send (default 2000)")
     bench.add_argument("--steps", type=int, default=10, help="async: optimizer steps per mode (default 10)")
+    bench.add_argument("--seeds", default="0,1,2", metavar="N,N,...", help="learn: run.seed per run (default 0,1,2)")
+    bench.add_argument("--async", dest="with_async", action="store_true",
+                       help="learn: also run each seed pipelined (trainer.sync = false) beside sync")
+    bench.add_argument("--target", type=float, default=0.8, help="learn: held-out success to reach (default 0.8)")
     bench.add_argument("--frames", type=int, default=5000, help="fuzz: frames to send (default 5000)")
     bench.add_argument("--tokens-per-step", type=int, default=4096,
                        help="trainer: prompt + completion tokens per optimizer step (default 4096)")
@@ -138,7 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--groups-per-step", type=int, default=64,
                        help="link: groups the fake trainer step takes; the credit budget is "
                        "(max_lag + 1) x this (default 64)")
-    bench.add_argument("--max-lag", type=int, default=1, help="link: staleness budget in versions (default 1)")
+    bench.add_argument("--max-lag", type=int, default=None,
+                       help="link: staleness budget in versions (default 1); learn --async: the pipelined "
+                       "runs' actor.scheduler.max_lag (default 2)")
     bench.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     return p
 

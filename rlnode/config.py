@@ -338,6 +338,25 @@ class ParallelConfig(_Section):
     port: Annotated[int, Meta(ge=0, le=65535)] = 0
 
 
+class TrackersConfig(_Section):
+    """Experiment trackers that mirror the trainer's metrics (every step's
+    record and every evaluation, rlnode/trainer/trackers.py), off by
+    default; metrics.jsonl stays the record. They need the ``trackers``
+    extra (pip install 'rlnode[trackers]'); a tracker that fails mid-run is
+    logged and dropped, never stops the trainer."""
+
+    # TensorBoard event files in <run_dir>/tensorboard (x axis: version).
+    tensorboard: bool = False
+    # Weights & Biases run under <run_dir>/wandb.
+    wandb: bool = False
+    # "offline": written locally, uploaded later with `wandb sync`
+    # (no network needed); "online": streamed (WANDB_API_KEY, network).
+    wandb_mode: Literal["offline", "online"] = "offline"
+    wandb_project: str = "rlnode"
+    # W&B entity (team or user); empty = the API key's default.
+    wandb_entity: str = ""
+
+
 class TrainerConfig(_Section):
     # Address the trainer binds its ZeroMQ socket on. Loopback by default;
     # any other address (0.0.0.0 for every interface) needs link.curve_dir
@@ -417,6 +436,7 @@ class TrainerConfig(_Section):
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     weights: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    trackers: TrackersConfig = field(default_factory=TrackersConfig)
 
 
 class HttpConfig(_Section):

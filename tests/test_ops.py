@@ -157,7 +157,9 @@ def running_job(tiny_model_dir, tmp_path_factory):
     d = Daemon("job", daemon_args("all", tiny_model_dir, tmp / "run", port, http, [
         "--set", "actor.scheduler.groups_per_step=2", "--set", "actor.scheduler.attempts=4",
         "--set", "actor.scheduler.eval_every=2", "--set", "actor.scheduler.eval_episodes=8",
-        "--set", "trainer.checkpoint_every=0", "--set", "actor.router.llm_max_rollouts=8"]), tmp, http)
+        "--set", "trainer.checkpoint_every=0", "--set", "actor.router.llm_max_rollouts=8",
+        "--set", "trainer.trackers.tensorboard=true", "--set", "trainer.trackers.wandb=true"]), tmp, http)
+    d.run_dir = tmp / "run"
     try:
         d.wait(lambda st: st["roles"]["trainer"]["version"] >= 4, 400, "4 versions")
         yield d
@@ -207,6 +209,27 @@ def test_metrics_parse_and_move(running_job):
     assert {dict(lab)["lag"] for (n, lab), _ in second.items() if n == "rlnode_trainer_mismatch_kl_by_lag"} == set(by_lag)
     st = json.loads(_get(running_job, "/status")[1])
     assert st["healthy"] and set(st["roles"]) == {"trainer", "actor"}
+
+
+@pytest.mark.engine
+def test_the_trainer_mirrors_its_metrics_to_tensorboard_and_wandb(running_job):
+    """trainer.trackers on a running job: every step's figures reach the
+    TensorBoard event file (flushed every 10 s) and the offline W&B run, by
+    version, next to metrics.jsonl."""
+    from tracker_files import tensorboard_scalars, wandb_history
+
+    steps = [json.loads(line) for line in (running_job.run_dir / "metrics.jsonl").read_text().splitlines()
+             if '"step"' in line]
+    deadline = time.monotonic() + 60
+    while True:
+        tb = tensorboard_scalars(running_job.run_dir / "tensorboard").get("reward_mean", [])
+        if len(tb) >= len(steps) or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert [(x["version"], x["reward_mean"]) for x in steps] == [(v, pytest.approx(r)) for v, r in tb[:len(steps)]]
+    rows = [r for r in wandb_history(running_job.run_dir, want=1) if "offpolicy/mismatch_kl" in r]
+    assert rows and {r["version"] for r in rows} <= {x["version"] for x in steps} | {steps[-1]["version"] + 1,
+                                                                                     steps[-1]["version"] + 2}
 
 
 def _trainer_port(d) -> str:

@@ -113,14 +113,46 @@ def run_bench(name: str, cfg: Config, args) -> int:
             actors = [int(n) for n in args.actors.split(",") if n.strip()]
         except ValueError:
             actors = []
-        if not actors or min(actors) < 1 or args.seconds <= 0 or args.groups_per_step < 1 or args.max_lag < 0:
+        if not actors or min(actors) < 1 or args.seconds <= 0 or args.groups_per_step < 1 or (args.max_lag or 0) < 0:
             print("rlnode bench link: --actors takes positive counts (1,16,128), --seconds > 0, "
                   "--groups-per-step >= 1, --max-lag >= 0", file=sys.stderr)
             return 2
-        res = asyncio.run(bench_link(cfg, actors, args.seconds, args.groups_per_step, args.max_lag, log=log))
+        max_lag = 1 if args.max_lag is None else args.max_lag
+        res = asyncio.run(bench_link(cfg, actors, args.seconds, args.groups_per_step, max_lag, log=log))
         if args.json:
             print(msgspec.json.encode(res).decode())
         else:
             print_table(res)
         return 0 if all(r.lost == 0 for r in res.rows) else 1
+    if name == "learn":
+        from pathlib import Path
+
+        from rlnode.bench.learn import bench_learn, print_table
+
+        try:
+            seeds = [int(n) for n in args.seeds.split(",") if n.strip()]
+        except ValueError:
+            seeds = []
+        max_lag = 2 if args.max_lag is None else args.max_lag
+        # The demo's recipe unless --config names another.
+        config = args.config or str(Path(__file__).resolve().parents[2] / "conf" / "demo.toml")
+        if not args.config:
+            from rlnode.config import load_config
+
+            cfg = load_config(config, args.overrides)
+        if not seeds or min(seeds) < 0 or max_lag < 1 or not 0 < args.target <= 1:
+            print("rlnode bench learn: --seeds takes seeds >= 0 (0,1,2), --max-lag >= 1, --target in (0, 1]",
+                  file=sys.stderr)
+            return 2
+        if not Path(cfg.model.path).is_dir():
+            print(f"rlnode bench learn: model.path {cfg.model.path!r} is not a directory (the demo's: "
+                  f"rlnode tiny-model {cfg.model.path})", file=sys.stderr)
+            return 2
+        res = bench_learn(config, cfg.run.run_dir, seeds, args.with_async, max_lag, args.target,
+                          [f"model.path={cfg.model.path}", *args.overrides], log=log)
+        if args.json:
+            print(msgspec.json.encode(res).decode())
+        else:
+            print_table(res)
+        return 0
     raise SystemExit(f"unknown benchmark {name!r}")

@@ -26,6 +26,7 @@ from typing import Any
 
 import msgspec
 import numpy as np
+import structlog
 import torch
 
 from rlnode.trainer.state_io import load_state, save_state
@@ -33,6 +34,8 @@ from rlnode.trainer.state_io import load_state, save_state
 TRAINER_STATE = "trainer_state"  # optimizer, lr scheduler, RNG: safetensors + JSON (state_io.py)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja", "generation_config.json")
+
+log = structlog.get_logger("rlnode.trainer")
 
 
 def _fsync_tree(path: Path) -> None:
@@ -154,15 +157,42 @@ class CheckpointManager:
 
 
 class MetricsWriter:
-    """``metrics.jsonl``: one JSON object per line, flushed as written."""
+    """``metrics.jsonl``: one JSON object per line, flushed as written; each
+    record also goes to the experiment trackers in ``sinks``
+    (trainer/trackers.py). A tracker that raises is logged, closed and
+    dropped: the file is the record, and the trainer keeps going."""
 
-    def __init__(self, run_dir: str | Path):
+    def __init__(self, run_dir: str | Path, sinks: list | None = None):
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._f = open(self.path, "a", buffering=1)
+        self.sinks = list(sinks or [])
+        self.sink_failures = 0
 
     def write(self, record: dict[str, Any]) -> None:
         self._f.write(json.dumps(record) + "\n")
+        for sink in list(self.sinks):
+            try:
+                sink.write(record)
+            except Exception as e:
+                self._drop(sink, e)
+
+    def _drop(self, sink, error: Exception) -> None:
+        self.sinks.remove(sink)
+        self.sink_failures += 1
+        log.error("trainer.tracker_failed", tracker=sink.name, error=repr(error),
+                  action="dropped; metrics.jsonl keeps every record")
+        try:
+            sink.close()
+        except Exception:
+            pass
 
     def close(self) -> None:
+        """Blocking (a tracker flushes): call from a worker thread."""
         self._f.close()
+        for sink in self.sinks:
+            try:
+                sink.close()
+            except Exception as e:
+                log.warning("trainer.tracker_close_failed", tracker=sink.name, error=repr(e))
+        self.sinks = []

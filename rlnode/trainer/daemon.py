@@ -77,6 +77,7 @@ class TrainerDaemon:
         from rlnode.trainer.learner import Learner
         from rlnode.trainer.parallel import RankGroup, resolve_ranks
         from rlnode.trainer.sync import WeightPusher
+        from rlnode.trainer.trackers import open_sinks
         from rlnode.trainer.weights import WeightBroadcaster, WeightGuard
 
         t = self.cfg.trainer
@@ -91,7 +92,7 @@ class TrainerDaemon:
         restored_ids: list[str] = []
         if self.resume:
             consumed, restored_ids = await self._resume()
-        self.metrics = MetricsWriter(self.run_dir)
+        self.metrics = MetricsWriter(self.run_dir, await asyncio.to_thread(open_sinks, self.cfg, self.run_dir))
         self.link = TrainerLink(f"tcp://{t.bind_host}:{t.port}", self.cfg.link, version=self.version,
                                 credit_budget=self.credit_budget,
                                 limits=GroupLimits.from_config(self.cfg, self.learner.vocab_size))
@@ -348,7 +349,7 @@ class TrainerDaemon:
             if self.ranks is not None:
                 await asyncio.to_thread(self.ranks.close)
             if hasattr(self, "metrics"):
-                self.metrics.close()
+                await asyncio.to_thread(self.metrics.close)
             log.info("trainer.stopped", step=self.step, version=self.version)
 
     # -- observability (read by rlnode.ops.http; never changes state) ---------------

@@ -1,0 +1,37 @@
+"""``rlnode bench learn``'s figures from runs (the runs themselves are the
+demo's, minutes each: the README has the measured table)."""
+
+from __future__ import annotations
+
+from rlnode.bench.learn import LearnBenchResult, LearnRun, print_table, spread
+
+
+def _run(mode, seed, evals, first=None, min_after=None, wall=600.0):
+    return LearnRun(mode, seed, 0 if mode == "sync" else 2, 500, evals, evals[-1][1], first,
+                    None if first is None else 300.0, min_after, wall, wall / 5 / 60, 0.0, 1e-12, f"runs/{mode}{seed}")
+
+
+def test_spread_counts_only_seeds_that_reached_the_target_and_stayed():
+    runs = [_run("sync", 0, [(250, 0.5), (500, 1.0)], first=500, min_after=1.0),
+            _run("sync", 1, [(250, 0.9), (500, 0.7)], first=250, min_after=0.7),  # a late collapse
+            _run("sync", 2, [(250, 0.3), (500, 0.6)], wall=700.0)]  # never got there
+    s = spread("sync", runs, 0.8)
+    assert (s.final_min, s.final_median, s.final_max) == (0.6, 0.7, 1.0)
+    assert (s.held, s.seeds) == (1, 3)
+    assert s.first_at_target_median is None  # one seed never reached it: no median of versions
+    assert s.wall_s_median == 600.0
+    s = spread("sync", runs[:2], 0.8)
+    assert s.first_at_target_median == 375 and s.held == 1
+
+
+def test_table_lists_every_evaluated_version_per_run(capsys):
+    runs = [_run("sync", 0, [(50, 0.1), (100, 0.9)], first=100, min_after=0.9),
+            _run("async", 0, [(50, 0.2), (100, 0.85)], first=100, min_after=0.85)]
+    res = LearnBenchResult("conf/demo.toml", 0.8, runs, [spread("sync", runs[:1], 0.8), spread("async", runs[1:], 0.8)],
+                           async_vs_sync_final=0.85 / 0.9, async_vs_sync_versions_to_target=1.0)
+    print_table(res)
+    out = capsys.readouterr().out
+    assert "v50" in out and "v100" in out
+    rows = [line.split() for line in out.splitlines() if line.startswith(("sync ", "async "))]
+    assert rows[0][:5] == ["sync", "0", "0.10", "0.90", "0.90"] and rows[1][:5] == ["async", "0", "0.20", "0.85", "0.85"]
+    assert "async / sync: final success 0.94x" in out
