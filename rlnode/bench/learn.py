@@ -77,15 +77,15 @@ def run_recipe(config: str, overrides: list[str], seed: int, sync: bool, max_lag
                target: float, log) -> LearnRun:
     shutil.rmtree(run_dir, ignore_errors=True)  # metrics.jsonl appends: start clean
     run_dir.mkdir(parents=True)
-    args = [sys.executable, "-m", "rlnode", "--role", "all", "--config", config, "--log-json",
-            "--set", f"run.run_dir={run_dir}", "--set", f"run.seed={seed}", "--set", "run.progress=false",
+    args = [sys.executable, "-m", "rlnode", "--role", "all", "--config", config, "--log-json"]
+    for o in overrides:  # first: the bench's own settings below win (a --set run.run_dir must not merge runs)
+        args += ["--set", o]
+    args += ["--set", f"run.run_dir={run_dir}", "--set", f"run.seed={seed}", "--set", "run.progress=false",
             "--set", f"trainer.sync={'true' if sync else 'false'}",
             "--set", f"trainer.port={_free_port()}", "--set", "http.trainer_port=0",
             "--set", f"trainer.weights.base_port={_free_port()}"]
     if not sync:
         args += ["--set", f"actor.scheduler.max_lag={max_lag}"]
-    for o in overrides:
-        args += ["--set", o]
     mode = "sync" if sync else "async"
     log(f"  {mode} seed {seed}: running (log: {run_dir}/daemon.log) ...")
     with open(run_dir / "daemon.log", "w") as err:
