@@ -145,6 +145,11 @@ def run(tiny_model_dir, tmp_path_factory):
         yield r
         codes = {n.name: n.terminate() for n in reversed(list(cluster.nodes.values())) if n.alive()}
         assert all(c == 0 for c in codes.values()), codes
+        # SIGTERM checkpoints the trainer's last step: a graceful restart
+        # (--resume, as after kill -9 in test_trainer_kill_resume) loses none.
+        last = max(x["step"] for x in steps_of(r.run_dir))
+        latest = (r.run_dir / "checkpoints" / "latest").read_text().strip()
+        assert latest.startswith(f"step-{last:07d}-"), (latest, last)
 
 
 def report(name: str, **figures) -> None:
