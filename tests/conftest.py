@@ -14,6 +14,23 @@ os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _wandb_files_stay_in_the_session(tmp_path_factory):
+    """W&B's core process writes its own logs to ~/.cache/wandb (and its
+    settings to ~/.config/wandb): point both into this session's temporary
+    directory, for this process and every daemon the tests start."""
+    base = tmp_path_factory.mktemp("wandb-home")
+    saved = {k: os.environ.get(k) for k in ("WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR")}
+    os.environ.update(WANDB_CACHE_DIR=str(base / "cache"), WANDB_CONFIG_DIR=str(base / "config"),
+                      WANDB_DATA_DIR=str(base / "data"))
+    yield
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     from rlnode.tiny_model import build_tiny_model
