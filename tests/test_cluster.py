@@ -160,7 +160,11 @@ def test_no_fault(run):
     """Both hosts join every push; no step trains on nothing."""
     t = run.cluster.trainer
     t0 = time.monotonic()
-    run.steps_after(0, 4, 600, "4 versions with two actor hosts")
+    # Both hosts first: on a loaded machine one engine can take a minute
+    # longer to start, and the trainer trains on with the other meanwhile.
+    t.wait(lambda st: all(peer_connected(st, a.name) for a in run.cluster.actors()), 300,
+           "both actor hosts connected")
+    run.steps_after(run.version(), 4, 600, "4 versions with two actor hosts")
     v = run.version()
     run.all_actors_at(v - 1, 120)
     pushed = t.events("weights.pushed")

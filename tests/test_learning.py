@@ -63,9 +63,10 @@ def _on_policy(records: list[dict]) -> list[float]:
 
 
 def test_reward_goes_up(tmp_path):
-    """The default, async pipeline (max_lag 1) learns in 60 steps of 4
-    groups (the demo takes 8: half the generation per step, for CI's time)."""
-    records = _run(tmp_path, sync=False, steps=60, groups_per_step=4)
+    """The default, async pipeline (max_lag 1) learns in 45 steps of 4
+    groups (the demo takes 8: half the generation per step, for CI's time;
+    the demo's runs gain ~0.15 between their first and third 15 steps)."""
+    records = _run(tmp_path, sync=False, steps=45, groups_per_step=4)
     rewards = [x["reward_mean"] for x in records]
     first, last = sum(rewards[:15]) / 15, sum(rewards[-15:]) / 15
     assert last > first + 0.05, f"reward did not go up: first 15 steps {first:.3f}, last 15 {last:.3f}"
@@ -99,11 +100,11 @@ def test_one_seed_replays_its_run_and_sync_steps_are_on_policy(tmp_path):
     from rlnode.tiny_model import build_tiny_model
 
     model = build_tiny_model(tmp_path / "model", seed=0)
-    steps = 6
+    steps = 5
     procs = {name: _start(tmp_path / name, model, True, steps, "--set", "run.seed=7",
-                          "--set", "actor.scheduler.groups_per_step=4") for name in ("a", "b")}
+                          "--set", "actor.scheduler.groups_per_step=2") for name in ("a", "b")}
     a, b = (_finish(procs[name], tmp_path / name, steps) for name in ("a", "b"))
-    for x, y in zip(a[:5], b[:5]):
+    for x, y in zip(a, b):
         assert {k: x[k] for k in REPLAYED} == {k: y[k] for k in REPLAYED}, (x, y)
         assert abs(x["loss"] - y["loss"]) <= 1e-4 * max(1.0, abs(x["loss"])), (x["loss"], y["loss"])
     for run in (a, b):

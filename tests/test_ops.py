@@ -95,76 +95,31 @@ def test_notify_never_blocks_on_a_full_queue(tmp_path):
     assert sock.recv(100) == b"WATCHDOG=1"
 
 
-@pytest.mark.engine
-def test_notify_order_and_sigterm_midrun(tiny_model_dir, tmp_path):
-    """READY after the engine is up, WATCHDOG while healthy, STOPPING on
-    SIGTERM; SIGTERM mid-run exits 0 with a checkpoint, loses no accepted
-    group and leaves nothing running."""
-    sock = _notify_socket(tmp_path)
-    port, http = free_port(), free_port()
-    run = tmp_path / "run"
-    args = daemon_args("all", tiny_model_dir, run, port, http, [
-        "--set", "actor.scheduler.groups_per_step=2", "--set", "actor.scheduler.attempts=4",
-        "--set", "actor.scheduler.eval_every=0", "--set", "trainer.checkpoint_every=0"])
-    os.environ["NOTIFY_SOCKET"], os.environ["WATCHDOG_USEC"] = str(tmp_path / "notify.sock"), "2000000"
-    try:
-        d = Daemon("all", args, tmp_path, http)
-    finally:
-        del os.environ["NOTIFY_SOCKET"], os.environ["WATCHDOG_USEC"]
-    collector = _Collector(sock)
-    try:
-        d.wait(lambda st: st["roles"]["trainer"]["version"] >= 3, 400, "3 versions")
-        msgs = list(collector.msgs)
-        ready = [i for i, m in enumerate(msgs) if "READY=1" in m]
-        assert len(ready) == 1
-        assert all("READY=1" not in m for m in msgs[: ready[0]])
-        assert any(m.startswith("STATUS=starting") for m in msgs[: ready[0]])
-        assert sum("WATCHDOG=1" in m for m in msgs[ready[0]:]) >= 2
-        engine_up = d.events("engine.started")[0]["timestamp"]
-        ready_ev = d.events("ready")[0]["timestamp"]
-        assert engine_up <= ready_ev
-        time.sleep(1.0)  # let some groups be accepted but not yet trained
-        assert d.terminate(90) == 0
-    finally:
-        d.kill()
-        msgs = collector.close()
-    stopping = [i for i, m in enumerate(msgs) if "STOPPING=1" in m]
-    assert stopping and stopping[0] > ready[0]
-    # Nothing left running in the daemon's session.
-    out = subprocess.run(["ps", "-o", "pid=,stat=", "-s", str(d.proc.pid)], capture_output=True, text=True).stdout
-    assert not [l for l in out.splitlines() if not l.split()[1].startswith("Z")]
-    # Every group the trainer accepted is either trained (metrics) or saved
-    # in the final checkpoint's buffer: none lost.
-    accepted = d.events("link.trainer.stopped")[0]["groups"]
-    trained = [g for l in (run / "metrics.jsonl").read_text().splitlines() for g in json.loads(l).get("group_ids", [])]
-    latest = run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
-    import msgspec
-
-    from rlnode.wire import GroupDelivery
-
-    saved = msgspec.msgpack.decode((latest / "buffer.msgpack").read_bytes(), type=list[GroupDelivery])
-    assert accepted == len(trained) + len(saved) and accepted > 0
-    assert not set(trained) & {g.group_id for g in saved}
-    state = json.loads((latest / "state.json").read_text())
-    assert state["version"] == max(json.loads(l)["version"] for l in (run / "metrics.jsonl").read_text().splitlines())
-
-
 @pytest.fixture(scope="module")
 def running_job(tiny_model_dir, tmp_path_factory):
-    """A short `--role all` job, shared by the endpoint tests."""
+    """A short `--role all` job, shared by the endpoint tests, under a
+    systemd-style notify socket (read continuously, as systemd does); the
+    module's last test stops it with SIGTERM (one daemon start for all)."""
     tmp = tmp_path_factory.mktemp("job")
+    sock = _notify_socket(tmp)
     port, http = free_port(), free_port()
-    d = Daemon("job", daemon_args("all", tiny_model_dir, tmp / "run", port, http, [
-        "--set", "actor.scheduler.groups_per_step=2", "--set", "actor.scheduler.attempts=4",
-        "--set", "actor.scheduler.eval_every=2", "--set", "actor.scheduler.eval_episodes=8",
-        "--set", "trainer.checkpoint_every=0", "--set", "actor.router.llm_max_rollouts=8",
-        "--set", "trainer.trackers.tensorboard=true", "--set", "trainer.trackers.wandb=true"]), tmp, http)
-    d.run_dir = tmp / "run"
+    os.environ["NOTIFY_SOCKET"], os.environ["WATCHDOG_USEC"] = str(tmp / "notify.sock"), "2000000"
+    try:
+        d = Daemon("job", daemon_args("all", tiny_model_dir, tmp / "run", port, http, [
+            "--set", "actor.scheduler.groups_per_step=2", "--set", "actor.scheduler.attempts=4",
+            "--set", "actor.scheduler.eval_every=2", "--set", "actor.scheduler.eval_episodes=8",
+            "--set", "trainer.checkpoint_every=0", "--set", "actor.router.llm_max_rollouts=8",
+            "--set", "trainer.trackers.tensorboard=true", "--set", "trainer.trackers.wandb=true"]), tmp, http)
+    finally:
+        del os.environ["NOTIFY_SOCKET"], os.environ["WATCHDOG_USEC"]
+    d.run_dir, d.notify = tmp / "run", _Collector(sock)
     try:
         d.wait(lambda st: st["roles"]["trainer"]["version"] >= 4, 400, "4 versions")
         yield d
     finally:
-        assert d.terminate(90) == 0
+        code = d.terminate(90)  # already stopped by the SIGTERM test when the whole module ran
+        d.notify.close()
+        assert code == 0
 
 
 def _get(d, path: str) -> tuple[int, str]:
@@ -349,3 +304,43 @@ async def test_watchdog_pings_through_faults_a_restart_cannot_fix(tmp_path):
     finally:
         await ops.close()
         collector.close()
+
+
+@pytest.mark.engine
+def test_notify_order_and_sigterm_midrun(running_job):
+    """READY after the engine is up, WATCHDOG while healthy, STOPPING on
+    SIGTERM; SIGTERM mid-run exits 0 with a checkpoint, loses no accepted
+    group and leaves nothing running. Stops the module's running job: keep
+    it the last test that uses it."""
+    d, run = running_job, running_job.run_dir
+    msgs = list(d.notify.msgs)
+    ready = [i for i, m in enumerate(msgs) if "READY=1" in m]
+    assert len(ready) == 1
+    assert all("READY=1" not in m for m in msgs[: ready[0]])
+    assert any(m.startswith("STATUS=starting") for m in msgs[: ready[0]])
+    assert sum("WATCHDOG=1" in m for m in msgs[ready[0]:]) >= 2
+    engine_up = d.events("engine.started")[0]["timestamp"]
+    ready_ev = d.events("ready")[0]["timestamp"]
+    assert engine_up <= ready_ev
+    assert d.terminate(90) == 0
+    msgs = d.notify.close()
+    stopping = [i for i, m in enumerate(msgs) if "STOPPING=1" in m]
+    assert stopping and stopping[0] > ready[0]
+    # Nothing left running in the daemon's session.
+    out = subprocess.run(["ps", "-o", "pid=,stat=", "-s", str(d.proc.pid)], capture_output=True, text=True).stdout
+    assert not [l for l in out.splitlines() if not l.split()[1].startswith("Z")]
+    # Every group the trainer accepted is either trained (metrics) or saved
+    # in the final checkpoint's buffer: none lost.
+    accepted = d.events("link.trainer.stopped")[0]["groups"]
+    trained = [g for l in (run / "metrics.jsonl").read_text().splitlines() for g in json.loads(l).get("group_ids", [])]
+    latest = run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
+    import msgspec
+
+    from rlnode.wire import GroupDelivery
+
+    saved = msgspec.msgpack.decode((latest / "buffer.msgpack").read_bytes(), type=list[GroupDelivery])
+    assert accepted == len(trained) + len(saved) and accepted > 0
+    assert not set(trained) & {g.group_id for g in saved}
+    state = json.loads((latest / "state.json").read_text())
+    assert state["version"] == max(json.loads(l)["version"] for l in (run / "metrics.jsonl").read_text().splitlines()
+                                   if "version" in json.loads(l))
