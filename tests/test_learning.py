@@ -63,22 +63,25 @@ def _on_policy(records: list[dict]) -> list[float]:
 
 
 def test_reward_goes_up(tmp_path):
-    """The default, async pipeline (max_lag 1) learns in 45 steps of 4
-    groups (the demo takes 8: half the generation per step, for CI's time;
-    the demo's runs gain ~0.15 between their first and third 15 steps)."""
-    records = _run(tmp_path, sync=False, steps=45, groups_per_step=4)
+    """The default, async pipeline (max_lag 1) learns in 60 steps of 4
+    groups (the demo takes 8: half the generation per step, for CI's time).
+    Not fewer steps: at 45 the reward had risen by 0.058 (0.017 -> 0.075)
+    against the 0.05 asked, the policy only leaving its first answers at
+    step ~40."""
+    records = _run(tmp_path, sync=False, steps=60, groups_per_step=4)
     rewards = [x["reward_mean"] for x in records]
     first, last = sum(rewards[:15]) / 15, sum(rewards[-15:]) / 15
     assert last > first + 0.05, f"reward did not go up: first 15 steps {first:.3f}, last 15 {last:.3f}"
     # Often only the first step is at lag 0 in async mode.
     on_policy = _on_policy(records)
     assert on_policy and max(on_policy) < 1e-3, on_policy
-    # Tokens are counted per version lag (bounded by max_lag 1) and the
-    # lag-0 ones match the trainer as in sync mode.
+    # Tokens are counted per version lag, bounded by max_lag 1. (A lag-0
+    # token of a call that began before a push attends to the KV cache the
+    # older weights computed, so it is not exact: the parity check above
+    # takes whole calls made at the trainer's version.)
     assert all(set(x["token_lag_hist"]) <= {"0", "1"} and sum(x["token_lag_hist"].values()) == x["tokens"]
                for x in records)
     assert any("1" in x["token_lag_hist"] for x in records)
-    assert all(x["offpolicy/lag0/logprob_absdiff_max"] < 1e-3 for x in records if "0" in x["token_lag_hist"])
 
 
 # What two runs of one seed must share, step by step (timings and ids aside).

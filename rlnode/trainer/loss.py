@@ -202,8 +202,10 @@ def policy_loss(inp: LossInputs, cfg: LossConfig, normalizer: float) -> LossOutp
 #       the effective sample size as a fraction of the N tokens, in (0, 1];
 #       1 when every weight is equal (verl "rollout_is_eff_sample_size").
 # Each again per version lag of the token ("lag{k}/..." with its token
-# count): at lag 0 the gap is numerics alone (kernels, dtype), ~1e-6 in
-# fp32 here; above it, the policy moved.
+# count). Lag 0 in a call made wholly at the trainer's version is numerics
+# alone (kernels, dtype), ~1e-6 in fp32 here; a lag-0 token of a call that
+# began before a push attends to KV the older weights computed (in-flight
+# updates keep it), so it carries some of the older policy too.
 def mismatch_figures(log_ratio: torch.Tensor, token_lag: torch.Tensor, cfg: LossConfig) -> dict[str, float]:
     """log_ratio, token_lag: [N] over the step's trained tokens (no grad)."""
     out: dict[str, float] = {}
