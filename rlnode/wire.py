@@ -35,6 +35,16 @@ def unpack_i32(buf: bytes) -> np.ndarray:
     return np.frombuffer(buf, dtype="<i4")
 
 
+def span_version(label: str) -> int | None:
+    """The policy version a ``weight_versions`` span label names (the engine
+    labels spans with str(version)), or None for a label that names none
+    (vLLM's "default"). At most 18 characters are parsed: int() refuses a
+    hostile label of more than 4,300 digits with an exception."""
+    if len(label) > 18 or not label.lstrip("-").isdigit():
+        return None
+    return int(label)
+
+
 def unpack_f32(buf: bytes) -> np.ndarray:
     return np.frombuffer(buf, dtype="<f4")
 

@@ -8,7 +8,7 @@ from rlnode.bench.learn import LearnBenchResult, LearnRun, print_table, spread
 
 def _run(mode, seed, evals, first=None, min_after=None, wall=600.0):
     return LearnRun(mode, seed, 0 if mode == "sync" else 2, 500, evals, evals[-1][1], first,
-                    None if first is None else 300.0, min_after, wall, wall / 5 / 60, 0.0, 1e-12, f"runs/{mode}{seed}")
+                    None if first is None else 300.0, min_after, wall, 0.0, 1e-12, f"runs/{mode}{seed}")
 
 
 def test_spread_counts_only_seeds_that_reached_the_target_and_stayed():

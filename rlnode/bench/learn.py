@@ -45,7 +45,6 @@ class LearnRun(msgspec.Struct):
     first_at_target_s: float | None  # wall time from ready to that evaluation's record
     min_after_target: float | None  # lowest success at or after first_at_target
     wall_s: float  # ready -> last optimizer step
-    minutes_per_100_steps: float
     lag_mean: float
     mismatch_kl_mean: float  # offpolicy/mismatch_kl over the steps
     run_dir: str
@@ -106,8 +105,7 @@ def run_recipe(config: str, overrides: list[str], seed: int, sync: bool, max_lag
     run = LearnRun(
         mode, seed, 0 if sync else max_lag, len(steps), [(v, s) for v, s, _ in evals], evals[-1][1],
         None if hit is None else evals[hit][0], None if hit is None else evals[hit][2] - ready,
-        None if hit is None else min(s for _, s, _ in evals[hit:]), wall,
-        wall / 60 / len(steps) * 100, statistics.fmean(r["lag_mean"] for r in steps),
+        None if hit is None else min(s for _, s, _ in evals[hit:]), wall, statistics.fmean(r["lag_mean"] for r in steps),
         statistics.fmean(r.get("offpolicy/mismatch_kl", 0.0) for r in steps), str(run_dir))
     log(f"  {mode} seed {seed}: final {run.final_success:.2f}, >= {target} at v{run.first_at_target}, "
         f"{wall / 60:.1f} min")

@@ -24,7 +24,7 @@ import msgspec
 import numpy as np
 
 from rlnode.config import VLLM_SAMPLING_EPS
-from rlnode.wire import GroupDelivery, TrainingSample
+from rlnode.wire import GroupDelivery, TrainingSample, span_version
 
 # Below this vLLM samples greedily: no sample can carry it (a configured
 # actor.sampling.min_temperature raises the floor).
@@ -163,8 +163,7 @@ def _check_versions(g: GroupDelivery, limits: GroupLimits, version: int) -> Inva
         for label, start, end in s.weight_versions:
             if not 0 <= start <= end <= n:
                 return R_VERSION, f"sample {s.sample_id!r}: version span [{start}, {end}) outside [0, {n}]"
-            # (isdigit on at most 18 characters: int() refuses > 4,300 digits)
-            if len(label) <= 18 and label.lstrip("-").isdigit() and not 0 <= int(label) <= newest:
+            if (v := span_version(label)) is not None and not 0 <= v <= newest:
                 return R_VERSION, (f"sample {s.sample_id!r}: tokens of version {label} outside "
                                    f"[0, {newest}] (trainer at {version})")
     return None

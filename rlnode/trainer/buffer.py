@@ -22,7 +22,7 @@ import torch
 
 from rlnode.config import AdvantageConfig
 from rlnode.trainer.loss import group_advantages, zero_signal_groups
-from rlnode.wire import GroupDelivery, TrainingSample
+from rlnode.wire import GroupDelivery, TrainingSample, span_version
 
 
 @dataclass
@@ -112,10 +112,8 @@ def token_versions(s: TrainingSample) -> np.ndarray:
     n = len(s.completion_ids) // 4
     out = np.full(n, s.policy_version, dtype=np.int64)
     for label, start, end in s.weight_versions:
-        if len(label) > 18 or not label.lstrip("-").isdigit():
-            continue
-        v = int(label)
-        out[max(0, start):max(0, min(end, n))] = v
+        if (v := span_version(label)) is not None:
+            out[max(0, start):max(0, min(end, n))] = v
     return out
 
 

@@ -365,8 +365,8 @@ class Learner:
             mismatch["truncated_fraction"] = extra.get("clip_fraction", 0.0)
             # Completion tokens the loss never saw (loss mask 0: e.g. an
             # agent's own tool-call syntax), plus those the lag mask cut.
-            mismatch["masked_fraction"] = ((completion_tokens - tokens) / max(1, completion_tokens)
-                                           + extra.get("lag_masked_fraction", 0.0) * tokens / max(1, completion_tokens))
+            masked = completion_tokens - tokens + extra.get("lag_masked_fraction", 0.0) * tokens
+            mismatch["masked_fraction"] = masked / max(1, completion_tokens)
             values, counts = torch.unique(lags, return_counts=True)
             lag_hist = {int(v): int(c) for v, c in zip(values.tolist(), counts.tolist())}
         return StepMetrics(

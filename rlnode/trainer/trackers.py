@@ -16,6 +16,7 @@ so build sinks and close them in a worker thread. ``write`` only enqueues
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -106,8 +107,6 @@ def open_sinks(cfg: Config, run_dir: Path) -> list[TrackerSink]:
     for key, enabled, module in (("tensorboard", t.tensorboard, "tensorboard"), ("wandb", t.wandb, "wandb")):
         if not enabled:
             continue
-        import importlib.util
-
         if importlib.util.find_spec(module) is None:
             raise ConfigError(f"trainer.trackers.{key}: needs the {module} package, which is not installed "
                               f"(pip install 'rlnode[trackers]'), or set trainer.trackers.{key} = false")
