@@ -52,7 +52,7 @@ def check_samples(result, hf_model, settings, tokenizer):
 
 
 @pytest.mark.parametrize("kind,options,role", [
-    ("guessing", {"max_number": 8, "max_turns": 4}, "user"),
+    ("guessing", {"max_number": 1000, "max_turns": 4}, "user"),
     ("arithmetic", {"max_operand": 9}, "user"),
     ("python-math", {}, "user"),
 ])
@@ -63,7 +63,9 @@ async def test_builtin_cube_episode(kind, options, role, client, renderer, engin
     settings = EpisodeSettings(SamplingSettings(max_tokens=12, temperature=1.0, seed=7), max_turns=4, max_model_len=2048)
     result = await run_episode(client, renderer, await cube.open_task(tid), settings, "ep1", "grp1")
     assert result.cube_id == kind and result.task_id == tid
-    assert result.num_turns >= 2  # a random policy never finishes in one turn... except by luck on guessing
+    # An untrained policy does not finish in one turn: a lucky first guess of
+    # 1..1000 is the only way (a CI run with 1..8 hit it).
+    assert result.num_turns >= 2
     assert result.termination_reason in ("done", "max_turns")
     check_samples(result, hf_model, settings, tokenizer)
     await cube.close()
