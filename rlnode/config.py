@@ -142,6 +142,11 @@ class EpisodeConfig(_Section):
     # Context reserve: an episode whose prompt leaves fewer tokens than this
     # for the completion ends with termination_reason "context_limit".
     min_completion_tokens: PositiveInt = 4
+    # Rewards must be finite and within [-max_abs_reward, max_abs_reward],
+    # whoever computes them (evaluator, rubric, agent): an episode outside
+    # fails (retried, then counted), as one reward of 1e30 would swamp its
+    # group's advantages and a NaN would waste the whole group at the trainer.
+    max_abs_reward: Annotated[float, Meta(gt=0)] = 1000.0
 
 
 class SchedulerConfig(_Section):

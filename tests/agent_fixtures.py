@@ -34,9 +34,25 @@ async def returns_reward(task, base_url, api_key):
 
 async def posts_reward(task, base_url, api_key):
     await one_call(base_url, api_key)
-    async with httpx.AsyncClient(headers={"Authorization": f"Bearer {api_key}"}) as http:
+    async with httpx.AsyncClient(headers={"Authorization": f"Bearer {task['reward_key']}"}) as http:
         (await http.post(_env(base_url) + "/reward", json={"reward": 0.75, "success": True})).raise_for_status()
     return 0.25  # the posted reward wins
+
+
+async def returns_huge(task, base_url, api_key):
+    await one_call(base_url, api_key)
+    return 1e30
+
+
+async def returns_nan(task, base_url, api_key):
+    await one_call(base_url, api_key)
+    return float("nan")
+
+
+async def exits(task, base_url, api_key):
+    """Foreign code that ends 'the program' (verifiers does, without a key)."""
+    await one_call(base_url, api_key)
+    raise SystemExit("no API key for the remote sandbox")
 
 
 async def no_reward(task, base_url, api_key):
@@ -81,13 +97,25 @@ def command_main(mode: str) -> int:
         time.sleep(600)
     if mode == "env":
         with open(os.environ["OUT_FILE"], "w") as f:
-            json.dump(sorted(k for k in os.environ if k.startswith(("RLNODE_", "OPENAI_"))), f)
+            json.dump(sorted(os.environ), f)
+        return 0
+    if mode == "forge":
+        # What a tool call the policy got the agent to run can do: a child
+        # process with the agent's environment posts a huge reward, with the
+        # only key it can see.
+        script = ("import httpx, os, sys; r = httpx.post(os.environ['RLNODE_ENV_URL'] + '/reward', "
+                  "json={'reward': 1e30, 'success': True}, "
+                  "headers={'Authorization': 'Bearer ' + os.environ['OPENAI_API_KEY']}); "
+                  "open(os.environ['OUT_FILE'], 'w').write(str(r.status_code))")
+        import subprocess
+
+        subprocess.run([sys.executable, "-c", script], check=True)
         return 0
     if mode == "fail":
         print("agent says: cannot continue", file=sys.stderr)
         return 3
     if mode == "post":
-        with httpx.Client(headers={"Authorization": f"Bearer {api_key}"}) as http:
+        with httpx.Client(headers={"Authorization": f"Bearer {task['reward_key']}"}) as http:
             http.post(os.environ["RLNODE_ENV_URL"] + "/reward", json={"reward": float(task["info"]["value"])})
     return 0
 

@@ -15,13 +15,14 @@ import torch
 from conftest import assert_engine_idle, reference_logprobs
 from rlnode.actor.agent_episode import AgentFailed, run_agent_episode
 from rlnode.actor.engine import SamplingSettings
-from rlnode.actor.episode import ChatRenderer, EpisodeSettings
+from rlnode.actor.episode import ChatRenderer, EpisodeSettings, RewardRefused
 from rlnode.actor.gateway import Gateway
 from rlnode.actor.generation import LLMClient
 from rlnode.actor.router import AdmissionRouter
 from rlnode.actor.scheduler import CubeStats, RolloutScheduler, VersionSource
 from rlnode.config import SchedulerConfig
 from rlnode.cubes.base import CubeTaskRef
+from rlnode.cubes.openai_agent import AGENT_ENV_ALLOW
 from rlnode.cubes.registry import make_cube
 
 pytestmark = pytest.mark.engine
@@ -49,6 +50,8 @@ async def gateway(engine, tokenizer, router):
 
 
 async def started(options, cube_id="agent"):
+    if "tasks" in options:  # no evaluator: the agent's reward is the only one
+        options = {"reward_source": "agent", **options}
     cube = make_cube(cube_id, "openai-agent", options, seed=0)
     await cube.start()
     return cube
@@ -159,8 +162,9 @@ async def test_agent_stopped_by_the_gateway_still_counts(gateway, hf_model):
     check_samples(result, hf_model)
 
 
-async def test_scheduler_retries_a_crashing_agent_then_counts_it(engine, tokenizer, router, tmp_path):
-    cube = await started({"agent": f"{FIXTURES}:crash", "tasks": tasks_file(tmp_path)}, "crashy")
+@pytest.mark.parametrize("agent", ["crash", "exits"])  # exits: SystemExit from foreign code must not end the daemon
+async def test_scheduler_retries_a_crashing_agent_then_counts_it(agent, engine, tokenizer, router, tmp_path):
+    cube = await started({"agent": f"{FIXTURES}:{agent}", "tasks": tasks_file(tmp_path)}, "crashy")
     client = LLMClient([engine], router)
     renderer = ChatRenderer(tokenizer)
     gw = Gateway(client, renderer, SETTINGS)
@@ -185,7 +189,8 @@ def test_bad_options_name_the_problem(tmp_path):
 
 
 async def test_unloadable_agent_fails_at_start(tmp_path):
-    cube = make_cube("x", "openai-agent", {"agent": "no_such_module_xyz:play", "tasks": tasks_file(tmp_path)}, seed=0)
+    cube = make_cube("x", "openai-agent", {"agent": "no_such_module_xyz:play", "tasks": tasks_file(tmp_path),
+                                             "reward_source": "agent"}, seed=0)
     with pytest.raises(ValueError, match="no_such_module_xyz"):
         await cube.start()
 
@@ -193,9 +198,74 @@ async def test_unloadable_agent_fails_at_start(tmp_path):
 async def test_command_agent_does_not_inherit_the_daemons_secrets(gateway, tmp_path, monkeypatch):
     monkeypatch.setenv("RLNODE_HTTP_TOKEN", "ops-secret")
     monkeypatch.setenv("OPENAI_API_KEY", "sk-the-operators-own")
+    for name in ("HF_TOKEN", "AWS_SECRET_ACCESS_KEY", "WANDB_API_KEY", "RLNODE_CURVE_SECRET"):
+        monkeypatch.setenv(name, "secret")
     out = tmp_path / "env.json"
     cube = await started({"command": [sys.executable, str(FIXTURES), "env"], "tasks": tasks_file(tmp_path),
                           "env_vars": {"OUT_FILE": str(out)}})
     with pytest.raises(AgentFailed, match="no reward"):  # this agent only reports its environment
         await play(gateway, cube)
-    assert json.loads(out.read_text()) == ["OPENAI_API_KEY", "OPENAI_BASE_URL", "RLNODE_ENV_URL", "RLNODE_MODEL"]
+    seen = json.loads(out.read_text())
+    assert [k for k in seen if k.startswith(("RLNODE_", "OPENAI_"))] == [
+        "OPENAI_API_KEY", "OPENAI_BASE_URL", "RLNODE_ENV_URL", "RLNODE_MODEL"]
+    # An allowlist: whatever else the daemon holds stays with it.
+    assert set(seen) <= set(AGENT_ENV_ALLOW) | {"OUT_FILE", "OPENAI_API_KEY", "OPENAI_BASE_URL", "RLNODE_ENV_URL",
+                                                 "RLNODE_MODEL"} | {k for k in seen if k.startswith("LC_")}
+    assert "PATH" in seen
+
+
+# -- reward provenance -----------------------------------------------------------
+
+
+async def test_a_tool_that_posts_a_reward_changes_nothing(gateway, tmp_path):
+    """The evaluator decides (reward_source defaults to it): a tool the policy
+    gets its agent to run, holding the agent's environment, posts 1e30; the
+    gateway refuses it (403) and the episode's reward is the evaluator's."""
+    out = tmp_path / "status"
+    cube = await started({"command": [sys.executable, str(FIXTURES), "forge"], "env": GUESSING,
+                          "env_vars": {"OUT_FILE": str(out)}})
+    task, result = await play(gateway, cube)
+    assert out.read_text() == "403"
+    assert gateway.stats.rewards_refused == 1
+    assert result.reward == float(task.inner.solved) and result.reward != 1e30
+
+
+async def test_a_returned_reward_is_ignored_where_the_evaluator_decides(gateway):
+    cube = await started({"agent": f"{FIXTURES}:returns_huge", "env": GUESSING})
+    task, result = await play(gateway, cube)
+    assert result.reward == float(task.inner.solved)
+    assert gateway.stats.agent_rewards_ignored == 1
+
+
+@pytest.mark.parametrize("agent", ["returns_huge", "returns_nan"])
+async def test_an_agent_reward_must_be_finite_and_bounded(agent, gateway, tmp_path):
+    cube = await started({"agent": f"{FIXTURES}:{agent}", "tasks": tasks_file(tmp_path)})
+    with pytest.raises(RewardRefused, match="actor.episode.max_abs_reward"):
+        await play(gateway, cube)
+
+
+async def test_posting_needs_the_reward_key_and_a_bounded_value(gateway):
+    import httpx
+
+    async with gateway.session("ep-key") as s:  # no task: the agent is the reward source
+        env = s.endpoint.env_url + "/reward"
+        async with httpx.AsyncClient() as http:
+            def auth(key):
+                return {"Authorization": f"Bearer {key}"}
+            assert (await http.post(env, json={"reward": 1.0}, headers=auth(s.api_key))).status_code == 401
+            r = await http.post(env, json={"reward": 1e30}, headers=auth(s.reward_key))
+            assert r.status_code == 400 and "max_abs_reward" in r.json()["error"]["message"]
+            assert (await http.post(env, json={"reward": 0.5}, headers=auth(s.reward_key))).status_code == 200
+        assert s.posted_reward == 0.5
+    assert gateway.stats.rewards_refused == 2
+
+
+def test_a_task_file_needs_the_agent_as_its_reward_source(tmp_path):
+    with pytest.raises(ValueError, match='reward_source = "agent"'):
+        make_cube("x", "openai-agent", {"agent": "m:f", "tasks": tasks_file(tmp_path)}, seed=0)
+
+
+async def test_an_agent_raising_systemexit_fails_only_its_episode(gateway, tmp_path):
+    cube = await started({"agent": f"{FIXTURES}:exits", "tasks": tasks_file(tmp_path)})
+    with pytest.raises(AgentFailed, match="SystemExit"):
+        await play(gateway, cube)

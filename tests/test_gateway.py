@@ -197,6 +197,71 @@ async def test_max_turns_and_context_limit_end_the_episode(engine, tokenizer, ro
         await client.close()
 
 
+async def test_limits_are_checked_before_tokenizing(engine, tokenizer, router, monkeypatch):
+    """A call past max_turns, and a body whose text cannot fit the context
+    even at the longest token, are refused without tokenizing anything (a
+    64 MiB body would otherwise hold the event loop in the tokenizer)."""
+    settings = EpisodeSettings(SamplingSettings(max_tokens=4), max_turns=1, max_model_len=2048)
+    renderer = ChatRenderer(tokenizer)
+    gw = Gateway(LLMClient([engine], router), renderer, settings)
+    encoded: list[int] = []
+    encode = renderer.encode
+    monkeypatch.setattr(renderer, "encode", lambda text: encoded.append(len(text)) or encode(text))
+    huge = "x" * (renderer.max_token_chars * 2048 + 1000)
+    async with gw.serve(), gw.session("ep-huge") as s:
+        client = client_for(s)
+        with pytest.raises(openai.BadRequestError) as e:
+            await client.chat.completions.create(model="m", messages=[{"role": "user", "content": huge}])
+        assert e.value.body["code"] == "context_length_exceeded" and s.terminated == "context_limit"
+        assert encoded == []
+        async with gw.session("ep-turns") as s2:
+            c2 = client_for(s2)
+            await c2.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+            encoded.clear()
+            with pytest.raises(openai.BadRequestError) as e:
+                await c2.chat.completions.create(model="m", messages=[{"role": "user", "content": huge}])
+            assert e.value.body["code"] == "max_turns_exceeded" and encoded == []
+            await c2.close()
+        await client.close()
+
+
+async def test_a_call_that_finishes_late_does_not_rewind_the_history(gateway, hf_model):
+    """Two calls of one episode in flight at once: the earlier-started one
+    (long) finishes after the later one (short). The history stays the
+    later call's, so the agent's next call extends it, token for token."""
+    async with gateway.session("ep-race") as s:
+        client = client_for(s)
+        slow = asyncio.create_task(client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "long"}], max_tokens=16))
+        while not s._inflight:
+            await asyncio.sleep(0.002)
+        messages = [{"role": "user", "content": "short"}]
+        quick = await client.chat.completions.create(model="m", messages=messages, max_tokens=1)
+        await slow
+        assert [c.step_index for c in s.calls] == [1, 0]  # the short call finished first
+        messages += [quick.choices[0].message, {"role": "user", "content": "next"}]
+        await client.chat.completions.create(model="m", messages=messages, max_tokens=2)
+        await client.close()
+    assert s.history_resets == 0 and not s.calls[-1].history_reset
+    check_parity([s.calls[0], s.calls[2]], hf_model)
+
+
+async def test_env_step_without_an_environment_is_404(gateway, tmp_path):
+    import httpx
+
+    from rlnode.cubes.registry import make_cube
+
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"id": "a", "prompt": "p"}\n')
+    cube = make_cube("c", "openai-agent", {"agent": "json:dumps", "tasks": str(path), "reward_source": "agent"}, 0)
+    await cube.start()
+    task = await cube.open_task("a")
+    async with gateway.session("ep-noenv", task) as s:
+        async with httpx.AsyncClient(headers={"Authorization": f"Bearer {s.api_key}"}) as http:
+            r = await http.post(s.endpoint.env_url + "/step", json={"text": "hi"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "no_environment"
+
+
 async def test_ending_an_episode_aborts_its_calls(gateway, engine, router):
     """A session closed while a (streamed) call runs: the engine request is
     aborted and the lease returned; the fixture checks both."""

@@ -168,8 +168,8 @@ async def test_spans_fallback_is_exact_across_an_in_flight_update(tmp_path, engi
             reported = {}
             to_completion = engine._to_completion
 
-            def record(out, versions=None):
-                c = to_completion(out, versions)
+            def record(out, token_ids, position_logprobs, versions=None):
+                c = to_completion(out, token_ids, position_logprobs, versions)
                 reported[tuple(c.token_ids)] = [(s.version, s.start, s.end) for s in out.weight_versions]
                 return c
             engine._to_completion = record

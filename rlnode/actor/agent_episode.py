@@ -7,12 +7,17 @@ gateway session (a base URL and key valid only while the episode runs),
 awaits the agent under the task's timeout, and turns the calls the gateway
 served into ``TrainingSample``s with the episode's reward.
 
-Reward, first that exists: a reward the agent posted (``POST
-{env_url}/reward``), the value ``run_agent`` returned, the task's evaluator.
-None of them is an error (the episode fails and is retried).
+Reward (``AgentTask.reward_source``): by default the task's evaluator, and
+nothing the agent returns or posts counts (the policy writes the agent's
+actions; a reward it can write is one it will learn to forge). With
+``reward_source = "agent"``: a posted reward (``POST {env_url}/reward`` with
+the episode's reward key), else the returned value, else the evaluator.
+Every reward must be finite and within ``actor.episode.max_abs_reward``;
+one that is not fails the episode, as does having none.
 
-An agent that raises, exits non-zero or times out fails the episode (the
-scheduler retries and counts it), unless the gateway itself ended the
+An agent that raises (any BaseException but cancellation: a foreign
+``SystemExit`` must not end the daemon), exits non-zero or times out fails
+the episode (the scheduler retries and counts it), unless the gateway itself ended the
 episode first (``max_turns`` / context full): an agent that breaks on that
 refusal has still played a whole episode. Closing the session aborts calls
 still in flight, so nothing outlives the episode.
@@ -22,9 +27,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Callable
+from typing import Awaitable, Callable
 
-from rlnode.actor.episode import EpisodeResult, EpisodeSettings, training_sample
+from rlnode.actor.episode import EpisodeResult, EpisodeSettings, check_reward, training_sample
 from rlnode.actor.gateway import Gateway, GatewaySession
 from rlnode.cubes.base import AgentTask, CubeError
 from rlnode.log import get_logger
@@ -37,7 +42,7 @@ class AgentFailed(CubeError):
     """The agent crashed, timed out or produced nothing to train on."""
 
 
-def task_payload(task: AgentTask, reset, episode_id: str) -> dict:
+def task_payload(task: AgentTask, reset, episode_id: str, reward_key: str = "") -> dict:
     """What the agent is told about its task (JSON; stdin of a command agent)."""
     return {
         "episode_id": episode_id,
@@ -47,6 +52,9 @@ def task_payload(task: AgentTask, reset, episode_id: str) -> dict:
         "system": reset.system,
         "tools": [t.as_chat_tool() for t in task.tools()],
         "info": reset.info,
+        # Only an agent whose reward counts may post one (stdin of a command
+        # agent, never its environment: tools it runs inherit that).
+        **({"reward_key": reward_key} if reward_key else {}),
     }
 
 
@@ -62,22 +70,33 @@ async def run_agent_episode(
     try:
         reset = await task.reset()
         async with gateway.session(episode_id, task, settings, policy_version) as s:
-            returned = await _drive(task, s, task_payload(task, reset, episode_id))
+            returned = await _drive(task, s, task_payload(task, reset, episode_id, s.reward_key))
         return await _result(task, s, returned, episode_id, group_id, time.monotonic() - t0)
     finally:
         await asyncio.shield(task.close())
 
 
+async def _contained(agent: Awaitable[float | None]) -> float | None:
+    """The agent's coroutine, with SystemExit and KeyboardInterrupt turned
+    into an episode error inside the task that runs it: asyncio re-raises
+    those two out of the event loop itself when they leave a task (wait_for
+    runs its awaitable as one), so catching them in the caller is too late."""
+    try:
+        return await agent
+    except (SystemExit, KeyboardInterrupt) as e:
+        raise AgentFailed(f"agent failed: {type(e).__name__}({e})") from None
+
+
 async def _drive(task: AgentTask, s: GatewaySession, payload: dict) -> float | None:
     try:
-        return await asyncio.wait_for(task.run_agent(s.endpoint, payload), task.timeout_s)
+        return await asyncio.wait_for(_contained(task.run_agent(s.endpoint, payload)), task.timeout_s)
     except asyncio.TimeoutError:
         if s.terminated:
             return None
         raise AgentFailed(f"agent timed out after {task.timeout_s:g}s ({len(s.calls)} LLM calls)") from None
     except asyncio.CancelledError:
         raise
-    except Exception as e:
+    except BaseException as e:  # foreign code: SystemExit, KeyboardInterrupt, ... fail this episode only
         if s.terminated:  # the gateway ended the episode; the agent broke on the refusal
             log.info("agent.stopped_by_gateway", episode=s.episode_id, reason=s.terminated, error=repr(e))
             return None
@@ -91,15 +110,18 @@ async def _result(task: AgentTask, s: GatewaySession, returned: float | None, ep
     if not s.calls:
         raise AgentFailed("the agent made no LLM call through the gateway")
     success: bool | None = None
-    if s.posted_reward is not None:
-        reward, success = s.posted_reward, s.posted_success
-    elif returned is not None:
-        reward = float(returned)
+    if task.reward_source == "agent" and s.posted_reward is not None:
+        reward, success, source = s.posted_reward, s.posted_success, "the agent's POST env/reward"
+    elif task.reward_source == "agent" and returned is not None:
+        reward, source = returned, "the agent's return value"
     elif task.has_evaluator:
+        if returned is not None:  # reward_source = "evaluator": not the agent's to decide
+            s.gateway.stats.agent_rewards_ignored += 1
         ev = await task.evaluate()
-        reward, success = ev.reward, ev.success
+        reward, success, source = ev.reward, ev.success, f"cube {task.ref.cube_id!r}'s evaluator"
     else:
         raise AgentFailed("no reward: the agent returned none, posted none, and the task has no evaluator")
+    reward = check_reward(reward, source, s.settings.max_abs_reward)
     if success is None:
         success = reward > 0
     reason = s.terminated or "done"

@@ -51,6 +51,7 @@ def episode_settings(cfg: Config) -> EpisodeSettings:
         max_model_len=cfg.model.max_model_len,
         min_completion_tokens=cfg.actor.episode.min_completion_tokens,
         min_temperature=s.min_temperature,
+        max_abs_reward=cfg.actor.episode.max_abs_reward,
     )
 
 

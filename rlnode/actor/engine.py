@@ -348,7 +348,7 @@ class Engine:
         await vllm_compat.set_weight_version(self.llm, version, self._spans)
         self.weight_version = version
 
-    def sampling_params(self, s: SamplingSettings, stream: bool = False):
+    def sampling_params(self, s: SamplingSettings, stream: bool = False, cumulative: bool = False):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -362,9 +362,11 @@ class Engine:
             ignore_eos=s.ignore_eos,
             logprobs=0,  # the sampled token's logprob only
             detokenize=False,  # token-in/token-out: text is never needed here
-            # Streaming callers see the tokens so far at every engine step;
-            # the final output is the same either way.
-            output_kind=RequestOutputKind.CUMULATIVE if stream else RequestOutputKind.FINAL_ONLY,
+            # Streaming callers get each engine step's new tokens (DELTA: a
+            # cumulative output per step would copy the whole completion
+            # every step, quadratic in its length); generate() joins them.
+            output_kind=(RequestOutputKind.FINAL_ONLY if not stream else
+                         RequestOutputKind.CUMULATIVE if cumulative else RequestOutputKind.DELTA),
         )
 
     async def generate(
@@ -382,7 +384,10 @@ class Engine:
         if llm is None:
             raise EngineError(f"engine {self.engine_id} is not started")
         rid = request_id or f"e{self.engine_id}-{next(self._req_ids)}"
-        params = self.sampling_params(sampling, stream=on_tokens is not None)
+        # DELTA outputs are joined here; vLLM's own per-output version spans
+        # (Api.weight_versions) are only known cumulative, so then CUMULATIVE.
+        delta = on_tokens is not None and self._spans is not None
+        params = self.sampling_params(sampling, stream=on_tokens is not None, cumulative=not delta)
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         self.requests_total += 1
@@ -399,10 +404,16 @@ class Engine:
         spans = self._spans
         if spans is not None:
             spans.open(rid, self.weight_version)
+        ids: list[int] = []  # DELTA: the completion so far
+        lps: list = []
         try:
             async for out in llm.generate(prompt, params, rid):
                 final = out
-                if on_tokens is not None and out.outputs:
+                if delta and out.outputs:
+                    ids.extend(out.outputs[0].token_ids)
+                    lps.extend(out.outputs[0].logprobs or ())
+                    on_tokens(ids)
+                elif on_tokens is not None and out.outputs:
                     on_tokens(out.outputs[0].token_ids)
         except asyncio.CancelledError:
             # AsyncLLM aborts on cancellation too; doing it here makes the
@@ -415,12 +426,14 @@ class Engine:
         finally:
             self.in_flight -= 1
             out = final.outputs[0] if final is not None and final.outputs else None
-            versions = spans.close(rid, len(out.token_ids) if out else 0) if spans is not None else None
+            if out is not None and not delta:
+                ids, lps = out.token_ids, out.logprobs
+            versions = spans.close(rid, len(ids) if out else 0) if spans is not None else None
         if out is None:
             self._failed("no output")
             raise EngineError(f"engine {self.engine_id} request {rid} returned no output")
         self.failed_in_a_row = 0
-        return self._to_completion(out, versions)
+        return self._to_completion(out, ids, lps, versions)
 
     # Requests failed in a row that make an engine count as broken: more
     # than a batch of bad luck, far fewer than a run of dropped groups.
@@ -438,11 +451,14 @@ class Engine:
             return ""
         return f"its last {self.failed_in_a_row} requests failed (last: {self.last_error})"
 
-    def _to_completion(self, out, versions: list[tuple[str, int, int]] | None = None) -> Completion:
-        token_ids = list(out.token_ids)
-        # out.logprobs: one {token_id: Logprob} dict per position; with
-        # logprobs=0 it holds exactly the sampled token.
-        logprobs = [pos[tok].logprob for tok, pos in zip(token_ids, out.logprobs)]
+    def _to_completion(self, out, token_ids, position_logprobs,
+                       versions: list[tuple[str, int, int]] | None = None) -> Completion:
+        token_ids = list(token_ids)
+        # One {token_id: Logprob} dict per position; with logprobs=0 it
+        # holds exactly the sampled token.
+        logprobs = [pos[tok].logprob for tok, pos in zip(token_ids, position_logprobs)]
+        if len(logprobs) != len(token_ids):
+            raise EngineError(f"engine {self.engine_id}: {len(logprobs)} logprobs for {len(token_ids)} tokens")
         self.generated_tokens += len(token_ids)
         if versions is None:
             versions = vllm_compat.completion_spans(out)

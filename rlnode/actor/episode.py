@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import math
 import re
 import time
 from typing import Any, Callable
@@ -28,7 +29,7 @@ import msgspec
 from rlnode.actor.engine import Completion, SamplingSettings
 from rlnode.actor.generation import LLMClient
 from rlnode.actor.router import LeaseMetadata
-from rlnode.cubes.base import Action, CubeTask, CubeTaskRef, ToolCall, ToolSpec
+from rlnode.cubes.base import Action, CubeError, CubeTask, CubeTaskRef, ToolCall, ToolSpec
 from rlnode.wire import TrainingSample, pack_f32, pack_i32
 
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
@@ -77,6 +78,10 @@ class ChatRenderer:
         # Template text between the assistant's end-of-turn token and the next
         # message (e.g. "\n" for ChatML).
         self._after_eos = closed[closed.rindex(eos) + len(eos):] if eos in closed else ""
+        # The most characters one token can stand for (byte-level vocabularies
+        # spell a byte as one character, so this bounds decoded text too): a
+        # text of C characters needs at least C // max_token_chars tokens.
+        self.max_token_chars = max(1, max(map(len, tokenizer.get_vocab())))
 
     def _render(self, messages, tools, add_generation_prompt: bool) -> str:
         return self.tok.apply_chat_template(
@@ -145,6 +150,25 @@ class EpisodeSettings(msgspec.Struct):
     # LLM call samples with request_seed(seed, turn). None: the engine's
     # own generator (not reproducible under concurrency).
     seed: int | None = None
+    # actor.episode.max_abs_reward: rewards outside +-this (or not finite)
+    # fail the episode (check_reward).
+    max_abs_reward: float = 1000.0
+
+
+class RewardRefused(CubeError):
+    """A reward that is not finite or is outside actor.episode.max_abs_reward."""
+
+
+def check_reward(value: Any, source: str, bound: float) -> float:
+    """``value`` as the episode's reward, or RewardRefused naming ``source``
+    (the episode fails and is retried, then counted)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise RewardRefused(f"the reward from {source} is a {type(value).__name__}, not a number")
+    value = float(value)
+    if not math.isfinite(value) or abs(value) > bound:
+        raise RewardRefused(f"the reward {value!r} from {source} is outside [-{bound:g}, {bound:g}] "
+                            "(actor.episode.max_abs_reward)")
+    return value
 
 
 def request_seed(*parts: object) -> int:
@@ -204,9 +228,10 @@ async def _play(client, renderer, task, settings, episode_id, group_id, policy_v
             break
         prompt = prompt + c.token_ids + renderer.next_message(c.token_ids, result.role, result.observation)
     evaluation = await task.evaluate()
-    samples = [_sample(p, task, settings, episode_id, group_id, evaluation.reward, reason, len(pending))
+    reward = check_reward(evaluation.reward, f"cube {task.ref.cube_id!r}'s evaluator", settings.max_abs_reward)
+    samples = [_sample(p, task, settings, episode_id, group_id, reward, reason, len(pending))
                for p in pending]
-    return EpisodeResult(episode_id, group_id, task.ref.cube_id, task.ref.task_id, evaluation.reward,
+    return EpisodeResult(episode_id, group_id, task.ref.cube_id, task.ref.task_id, reward,
                          evaluation.success, len(pending), reason, agent_errors,
                          time.monotonic() - t0, samples)
 

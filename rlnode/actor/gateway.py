@@ -25,7 +25,18 @@ logs; headers do not). Unknown or finished episodes get 404, a wrong key
 
 The environment side (``/episodes/{token}/env``): ``GET tools``, ``POST
 step`` (a tool call or a message, answered by the cube task), ``POST reward``
-(the agent's own reward for the episode).
+(the agent's own reward for the episode). A posted reward needs the
+episode's *reward key*, not its API key, and exists only for tasks with
+``reward_source = "agent"`` (``AgentTask``): everything else is refused
+(403) and counted, because the API key is in every tool the agent runs.
+
+Per-call cost. A call's fixed cost is what an agent pays on every turn, so
+the path keeps it small: the turn limit is checked before anything is
+parsed into tokens; the re-sent history is compared as plain dicts (no
+re-serialisation); a body whose text cannot fit the context even at the
+tokenizer's longest token is refused before tokenizing; large new messages
+are tokenized in a thread, off the event loop; streaming takes vLLM's DELTA
+outputs.
 
 Owns: sessions, request validation, prompt construction, tool-call parsing,
 streaming. Must not decide rewards or retries (``agent_episode.py`` and the
@@ -58,6 +69,8 @@ log = get_logger("rlnode.gateway")
 TOOL_OPEN = "<tool_call>"
 # Long agent histories (tool outputs, documents) outgrow aiohttp's 1 MiB default.
 MAX_REQUEST_BYTES = 64 * 2**20
+# New message text above this many characters is tokenized in a thread.
+TOKENIZE_INLINE_CHARS = 32_768
 
 
 class GatewayError(Exception):
@@ -150,12 +163,13 @@ def template_message(m: Any, i: int) -> dict[str, Any]:
     return out
 
 
-def _history_key(msg: dict[str, Any]) -> str:
-    """What must match for a re-sent message to count as the same message.
+def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether a re-sent (template) message is the one served before.
     Tool-call ids are left out: templates do not render them and some SDKs
     rewrite them."""
-    key = {k: v for k, v in msg.items() if k != "tool_call_id"}
-    return json.dumps(key, sort_keys=True, ensure_ascii=False)
+    if a.get("tool_call_id") == b.get("tool_call_id"):
+        return a == b
+    return {k: v for k, v in a.items() if k != "tool_call_id"} == {k: v for k, v in b.items() if k != "tool_call_id"}
 
 
 def split_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
@@ -198,6 +212,8 @@ class GatewayStats(msgspec.Struct):
     errors: int = 0  # requests answered with an error
     unauthorized: int = 0  # unknown token or wrong key
     temperature_floored: int = 0  # calls that asked below actor.sampling.min_temperature (raised to it)
+    rewards_refused: int = 0  # POST env/reward refused: not the task's reward source, wrong key, out of bounds
+    agent_rewards_ignored: int = 0  # rewards an agent returned where the evaluator decides
 
 
 class ServedCall(msgspec.Struct):
@@ -221,6 +237,10 @@ class GatewaySession:
         self.policy_version = policy_version
         self.token = secrets.token_urlsafe(24)
         self.api_key = "rlnode-" + secrets.token_urlsafe(24)
+        # Only where the agent decides the reward (no task: a bare session of
+        # a test or benchmark, whose only reward source is the agent).
+        agent_reward = task is None or getattr(task, "reward_source", "evaluator") == "agent"
+        self.reward_key = "rlnode-reward-" + secrets.token_urlsafe(24) if agent_reward else ""
         self.calls: list[ServedCall] = []
         self.next_step = 0
         self.history_resets = 0
@@ -230,9 +250,11 @@ class GatewaySession:
         self.posted_reward: float | None = None
         self.posted_success: bool | None = None
         self.closed = False
-        # History state of the last answered call.
-        self._history: list[str] = []
-        self._tools_key = ""
+        # History state of the newest answered call (by step: a call that
+        # started earlier but finished later must not overwrite it).
+        self._remembered_step = -1
+        self._history: list[dict[str, Any]] = []
+        self._tools: list[dict[str, Any]] = []
         self._ids: list[int] = []
         self._last_completion: list[int] = []
         self._empty_reply = False
@@ -242,39 +264,51 @@ class GatewaySession:
     @property
     def endpoint(self) -> AgentEndpoint:
         root = f"{self.gateway.url}/episodes/{self.token}"
-        return AgentEndpoint(f"{root}/v1", self.api_key, f"{root}/env", self.gateway.model_name)
+        return AgentEndpoint(f"{root}/v1", self.api_key, f"{root}/env", self.gateway.model_name, self.reward_key)
 
-    def check_key(self, request: web.Request) -> None:
+    def check_key(self, request: web.Request, key: str | None = None) -> None:
+        key = self.api_key if key is None else key
         scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self.api_key.encode()):
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), key.encode()):
             self.gateway.stats.unauthorized += 1
             raise GatewayError(401, "invalid API key for this episode", code="invalid_api_key",
                                type="authentication_error")
 
     # -- prompt ---------------------------------------------------------------
 
-    def prompt_for(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> tuple[list[int], bool]:
-        """Prompt token ids for a request, and whether the history was reset
-        (the request does not extend the last answered call)."""
-        keys = [_history_key(m) for m in messages]
-        tools_key = json.dumps(tools or [], sort_keys=True)
+    def extends(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> int | None:
+        """How many of ``messages`` the newest answered call already covers
+        (its history and reply), or None when the request does not extend it
+        (the history is then rendered afresh and counted as a reset).
+        Dict equality, element by element: no per-call re-serialisation."""
         n = len(self._history)
-        renderer = self.gateway.renderer
-        if n and tools_key == self._tools_key:
-            if len(keys) > n and keys[:n] == self._history:
-                return self._ids + renderer.next_messages(self._last_completion, messages[n:]), False
-            # Some SDKs (the Agents SDK) drop an empty assistant reply from
-            # their history. The engine did produce that turn (an end of turn
-            # token), so the prompt keeps it: still the exact extension.
-            if self._empty_reply and len(keys) >= n and keys[:n - 1] == self._history[:-1]:
-                return self._ids + renderer.next_messages(self._last_completion, messages[n - 1:]), False
-        return renderer.render(messages, tools), bool(n)
+        if not n or (tools or []) != self._tools:
+            return None
+        if len(messages) > n and all(_same(a, b) for a, b in zip(messages, self._history)):
+            return n
+        # Some SDKs (the Agents SDK) drop an empty assistant reply from
+        # their history. The engine did produce that turn (an end of turn
+        # token), so the prompt keeps it: still the exact extension.
+        if self._empty_reply and len(messages) >= n and all(_same(a, b) for a, b in zip(messages, self._history[:-1])):
+            return n - 1
+        return None
 
-    def remember(self, messages: list[dict[str, Any]], tools, prompt: list[int], completion: list[int],
+    def prompt_for(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                   covered: int | None) -> list[int]:
+        """Prompt token ids for a request; ``covered`` is ``extends()``."""
+        renderer = self.gateway.renderer
+        if covered is not None:
+            return self._ids + renderer.next_messages(self._last_completion, messages[covered:])
+        return renderer.render(messages, tools)
+
+    def remember(self, step: int, messages: list[dict[str, Any]], tools, prompt: list[int], completion: list[int],
                  reply: dict[str, Any]) -> None:
-        self._history = [_history_key(m) for m in messages] + [_history_key(reply)]
+        if step < self._remembered_step:  # concurrent calls: the newer one already set the history
+            return
+        self._remembered_step = step
+        self._history = messages + [reply]
         self._empty_reply = not reply["content"] and not reply.get("tool_calls")
-        self._tools_key = json.dumps(tools or [], sort_keys=True)
+        self._tools = tools or []
         self._ids = prompt + completion
         self._last_completion = completion
 
@@ -340,12 +374,13 @@ class Gateway:
             self.sessions.pop(s.token, None)
             await s.close()
 
-    def _session(self, request: web.Request) -> GatewaySession:
+    def _session(self, request: web.Request, key: str | None = None) -> GatewaySession:
         s = self.sessions.get(request.match_info["token"])
         if s is None or s.closed:
             self.stats.unauthorized += 1
             raise GatewayError(404, "unknown or finished episode", code="episode_not_found")
-        s.check_key(request)
+        if key is None:
+            s.check_key(request)
         return s
 
     # -- handlers -------------------------------------------------------------
@@ -398,17 +433,32 @@ class Gateway:
                                param="tool_choice")
         if not req.messages:
             raise GatewayError(400, "messages must not be empty", param="messages")
-        messages = [template_message(m, i) for i, m in enumerate(req.messages)]
-        tools = req.tools or None
-        tools_on = bool(tools) and tool_choice != "none"
-        try:
-            prompt, reset = s.prompt_for(messages, tools)
-        except (ValueError, TypeError) as e:  # the template rejected the conversation
-            raise GatewayError(400, f"chat template: {e}", param="messages") from e
+        # The turn limit first: a refused call costs no template work.
         if s.next_step >= settings.max_turns:
             s.terminated = s.terminated or "max_turns"
             raise GatewayError(400, f"the episode used its {settings.max_turns} LLM calls (actor.episode.max_turns)",
                                code="max_turns_exceeded")
+        messages = [template_message(m, i) for i, m in enumerate(req.messages)]
+        tools = req.tools or None
+        tools_on = bool(tools) and tool_choice != "none"
+        covered = s.extends(messages, tools)
+        new = messages if covered is None else messages[covered:]
+        new_chars = sum(len(m["content"]) for m in new)
+        base_len = 0 if covered is None else len(s._ids)
+        # Even at the tokenizer's longest token, this much text cannot fit:
+        # refused without tokenizing (a 64 MiB body would hold the loop).
+        if base_len + new_chars // self.renderer.max_token_chars > settings.max_model_len:
+            s.terminated = s.terminated or "context_limit"
+            raise GatewayError(400, f"{new_chars} characters of new messages cannot fit the {settings.max_model_len}"
+                                    "-token context", code="context_length_exceeded", param="messages")
+        try:
+            if new_chars > TOKENIZE_INLINE_CHARS:  # long documents: tokenized off the event loop
+                prompt = await asyncio.to_thread(s.prompt_for, messages, tools, covered)
+            else:
+                prompt = s.prompt_for(messages, tools, covered)
+        except (ValueError, TypeError) as e:  # the template rejected the conversation
+            raise GatewayError(400, f"chat template: {e}", param="messages") from e
+        reset = covered is None and s._remembered_step >= 0
         room = settings.max_model_len - len(prompt)
         if room < settings.min_completion_tokens:
             s.terminated = s.terminated or "context_limit"
@@ -473,7 +523,7 @@ class Gateway:
 
     def _record(self, s, messages, tools, prompt, gen, step, version, temperature, reset, reply) -> None:
         s.calls.append(ServedCall(step, prompt, gen, version, temperature, reset))
-        s.remember(messages, tools, prompt, gen.completion.token_ids, reply)
+        s.remember(step, messages, tools, prompt, gen.completion.token_ids, reply)
         self.stats.calls += 1
 
     async def _stream(self, request, s, req, messages, tools, tools_on, prompt, sampling, step, version,
@@ -562,12 +612,19 @@ class Gateway:
         try:
             s = self._session(request)
             body = await _read(request, _EnvStep)
-            if s.task is None:
+            if s.task is None or not getattr(s.task, "has_environment", True):
                 raise GatewayError(404, "this episode has no environment", code="no_environment")
             if s.env_done:
                 raise GatewayError(409, "the environment already ended this episode", code="episode_done")
             calls = [ToolCall(body.tool, body.arguments)] if body.tool else []
-            result = await s.task.step(Action(text=body.text, tool_calls=calls))
+            try:
+                result = await s.task.step(Action(text=body.text, tool_calls=calls))
+            except NotImplementedError as e:
+                raise GatewayError(404, f"this episode has no environment: {e}", code="no_environment") from e
+            except Exception as e:  # the cube's failure, in OpenAI's error shape (not a bare 500)
+                log.warning("gateway.env_step_failed", episode=s.episode_id, error=repr(e)[:300])
+                raise GatewayError(500, f"the environment failed: {e!r}"[:1000], code="environment_error",
+                                   type="server_error") from e
         except GatewayError as e:
             self.stats.errors += 1
             return e.response()
@@ -578,12 +635,21 @@ class Gateway:
 
     async def _env_reward(self, request: web.Request) -> web.Response:
         try:
-            s = self._session(request)
+            s = self._session(request, key="reward")
+            if not s.reward_key:
+                raise GatewayError(403, "this episode's reward comes from its task's evaluator; a posted reward "
+                                        "counts only with reward_source = \"agent\" in the cube's options",
+                                   code="reward_not_accepted", type="permission_error")
+            s.check_key(request, s.reward_key)
             body = await _read(request, _EnvReward)
-            if not math.isfinite(body.reward):
-                raise GatewayError(400, "reward must be a finite number", param="reward")
+            bound = s.settings.max_abs_reward
+            if not (math.isfinite(body.reward) and abs(body.reward) <= bound):
+                raise GatewayError(400, f"reward must be a finite number within [-{bound:g}, {bound:g}] "
+                                        "(actor.episode.max_abs_reward)", param="reward")
         except GatewayError as e:
             self.stats.errors += 1
+            if e.status != 404:
+                self.stats.rewards_refused += 1
             return e.response()
         s.posted_reward, s.posted_success = body.reward, body.success
         return web.json_response({"ok": True})

@@ -311,7 +311,10 @@ class RolloutScheduler:
                 result = await self._one_episode(ref, episode_id, group_id, settings)
             except asyncio.CancelledError:
                 raise
-            except Exception as e:  # cube/engine failures are retried, never fatal
+            # Cube/engine failures are retried, never fatal. BaseException:
+            # foreign code (a verifiers env, an agent) may raise SystemExit or
+            # KeyboardInterrupt, which must end this episode, not the daemon.
+            except BaseException as e:
                 log.warning("episode.failed", episode=episode_id, cube=ref.cube_id, task=ref.task_id,
                             attempt=attempt, error=repr(e))
                 if attempt == self.cfg.max_retries:

@@ -125,6 +125,10 @@ class AgentEndpoint(msgspec.Struct):
     api_key: str  # the bearer key for base_url (and env_url)
     env_url: str  # http://HOST:PORT/episodes/TOKEN/env: POST step / reward, GET tools
     model: str  # the model name to send (any name is accepted)
+    # The bearer key for POST env_url/reward. Empty unless the task's
+    # reward_source is "agent": by default no agent can post a reward, and
+    # the api_key (which tools an agent runs can see) never can.
+    reward_key: str = ""
 
 
 class AgentTask(CubeTask):
@@ -133,10 +137,20 @@ class AgentTask(CubeTask):
     to the policy through the gateway's OpenAI API, and every LLM call it
     makes becomes a training sample. ``reset``/``step``/``evaluate`` are the
     environment the agent may reach at ``env_url``; a task with no evaluator
-    of its own sets ``has_evaluator = False`` and its reward must come from
-    ``run_agent`` or from ``POST {env_url}/reward``."""
+    of its own sets ``has_evaluator = False`` and ``reward_source = "agent"``.
+
+    Reward provenance. With ``reward_source = "evaluator"`` (the default)
+    the task's evaluator decides the reward: what ``run_agent`` returns and
+    anything posted to ``env_url/reward`` are ignored (the gateway refuses
+    the post). The policy's output runs as code inside the agent and its
+    tools, so an agent-side reward is a reward the policy can write: a
+    reward hack the optimiser finds. ``"agent"``: a posted reward, else the
+    returned one, else the evaluator (if any) decides; only this source
+    gets a ``reward_key``."""
 
     has_evaluator: bool = True
+    has_environment: bool = True  # False: env/step answers 404 (no tools, no messages to the environment)
+    reward_source: Literal["evaluator", "agent"] = "evaluator"
     timeout_s: float = 600.0  # the whole episode, agent included
 
     @abc.abstractmethod

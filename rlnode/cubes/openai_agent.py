@@ -12,9 +12,18 @@ completion it asks for is a training sample. Two ways to run it:
   ``RLNODE_MODEL`` in its environment and the task as JSON on stdin. A
   non-zero exit fails the episode. The process runs in its own process group
   and the whole group is killed at the timeout or when the episode is
-  cancelled. It does not inherit the daemon's ``RLNODE_*`` variables (e.g.
-  ``RLNODE_HTTP_TOKEN``). (Your own code, trusted like the config: it is not
-  sandboxed.)
+  cancelled. Its environment is an allowlist: ``PATH``, locale, ``HOME``,
+  ``TMPDIR``, ``VIRTUAL_ENV``/``PYTHONPATH``, the names in ``pass_env`` and
+  ``env_vars``; nothing else of the daemon's (no ``HF_TOKEN``, cloud keys,
+  ``RLNODE_*``). The agent is your code, but the tool calls it runs are the
+  policy's: see ``reward_source``.
+
+Reward (``reward_source``). ``"evaluator"`` (the default): the environment
+cube's evaluator decides; what the agent returns is ignored and a POST to
+``env/reward`` is refused. ``"agent"``: the agent's posted reward (with the
+``reward_key`` of its task JSON, which is never in its environment), else
+its returned one, else the evaluator. Without ``env`` the agent is the only
+source, so ``reward_source = "agent"`` must be said.
 
 Tasks and rewards come from an environment cube (``env = {kind = "guessing",
 options = {...}}``): its train/test tasks, its tools (advertised in the task
@@ -34,8 +43,9 @@ import inspect
 import json
 import os
 import signal
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Annotated, Any, Callable
+from typing import Annotated, Any, Callable, Literal
 
 import msgspec
 from msgspec import Meta
@@ -71,6 +81,14 @@ class OpenAIAgentOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=Tru
     test_fraction: Annotated[float, Meta(ge=0, lt=1)] = 0.1
     # Seconds one episode (the whole agent run) may take.
     timeout_s: Annotated[float, Meta(gt=0)] = 300.0
+    # Who decides the reward: "evaluator" (the env cube's; the agent's
+    # returned or posted reward is ignored) or "agent" (its posted, else
+    # returned reward counts: the policy can then write its own reward
+    # through the tools it gets the agent to run).
+    reward_source: Literal["evaluator", "agent"] = "evaluator"
+    # Names of daemon environment variables a command agent may see beyond
+    # the allowlist (PATH, HOME, locale, TMPDIR, VIRTUAL_ENV, PYTHONPATH).
+    pass_env: list[str] = []
 
 
 class OpenAIAgentCube(Cube):
@@ -84,6 +102,9 @@ class OpenAIAgentCube(Cube):
         if bool(options.env) == bool(options.tasks):
             raise ValueError(f"cube {cube_id!r}: set exactly one of options.env (an environment cube) "
                              "and options.tasks (a JSONL file)")
+        if options.tasks and options.reward_source != "agent":
+            raise ValueError(f"cube {cube_id!r}: options.tasks has no evaluator, so the agent's reward is the only "
+                             'one: set options.reward_source = "agent"')
         self.cube_id, self.opts, self.seed = cube_id, options, seed
         self.inner: Cube | None = None
         self.fn: Callable | None = None
@@ -140,7 +161,8 @@ class OpenAIAgentTask(AgentTask):
     def __init__(self, ref: CubeTaskRef, cube: OpenAIAgentCube, inner: CubeTask | None,
                  row: dict[str, Any] | None):
         self.ref, self.cube, self.inner, self.row = ref, cube, inner, row
-        self.has_evaluator = inner is not None
+        self.has_evaluator = self.has_environment = inner is not None
+        self.reward_source = cube.opts.reward_source
         self.timeout_s = cube.opts.timeout_s
 
     async def reset(self) -> Reset:
@@ -196,11 +218,19 @@ def load_agent(ref: str) -> Callable:
     return fn
 
 
+# Blocking agents run here, not in the loop's default executor, which the
+# daemon's own blocking work (optimizer steps, weight pushes, file writes)
+# shares: a slow or hung agent must not starve it. Bounded: a burst of
+# episodes queues here instead of spawning a thread each.
+AGENT_THREADS = ThreadPoolExecutor(max_workers=16, thread_name_prefix="rlnode-agent")
+
+
 async def call_agent(fn: Callable, task: dict[str, Any], endpoint: AgentEndpoint) -> float | None:
     if inspect.iscoroutinefunction(fn):
         out = await fn(task, endpoint.base_url, endpoint.api_key)
     else:  # a blocking agent runs in a thread, off the event loop
-        out = await asyncio.to_thread(fn, task, endpoint.base_url, endpoint.api_key)
+        out = await asyncio.get_running_loop().run_in_executor(
+            AGENT_THREADS, fn, task, endpoint.base_url, endpoint.api_key)
     return _reward(out)
 
 
@@ -212,12 +242,26 @@ def _reward(out: Any) -> float | None:
     return float(out)
 
 
+# What a command agent inherits from the daemon's environment: enough to find
+# programs, speak a locale and use a virtualenv. An allowlist, not a denylist:
+# the daemon's environment holds credentials (HF_TOKEN, AWS_*, WANDB_API_KEY,
+# RLNODE_HTTP_TOKEN) that the tools an agent runs must never read.
+AGENT_ENV_ALLOW = ("PATH", "HOME", "LANG", "LANGUAGE", "TZ", "TMPDIR", "TERM", "VIRTUAL_ENV", "PYTHONPATH",
+                   "PYTHONHASHSEED", "SSL_CERT_FILE", "SSL_CERT_DIR")
+
+
+def agent_env(opts: OpenAIAgentOptions, endpoint: AgentEndpoint, environ: dict[str, str] | None = None) -> dict[str, str]:
+    """A command agent's environment (the reward key is not in it: it goes on
+    stdin, which the agent's tools do not inherit)."""
+    environ = os.environ if environ is None else environ
+    allowed = set(AGENT_ENV_ALLOW) | set(opts.pass_env)
+    inherited = {k: v for k, v in environ.items() if k in allowed or k.startswith("LC_")}
+    return {**inherited, **opts.env_vars, "OPENAI_BASE_URL": endpoint.base_url, "OPENAI_API_KEY": endpoint.api_key,
+            "RLNODE_ENV_URL": endpoint.env_url, "RLNODE_MODEL": endpoint.model}
+
+
 async def run_command(opts: OpenAIAgentOptions, task: dict[str, Any], endpoint: AgentEndpoint) -> None:
-    # The daemon's own RLNODE_* variables (its HTTP token, other episodes'
-    # keys) are not the agent's business; OPENAI_* are set for this episode.
-    inherited = {k: v for k, v in os.environ.items() if not k.startswith(("RLNODE_", "OPENAI_"))}
-    env = {**inherited, **opts.env_vars, "OPENAI_BASE_URL": endpoint.base_url, "OPENAI_API_KEY": endpoint.api_key,
-           "RLNODE_ENV_URL": endpoint.env_url, "RLNODE_MODEL": endpoint.model}
+    env = agent_env(opts, endpoint)
     proc = await asyncio.create_subprocess_exec(
         *opts.command, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.DEVNULL,
         stderr=asyncio.subprocess.PIPE, env=env, cwd=opts.cwd or None,
