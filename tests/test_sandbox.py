@@ -476,3 +476,43 @@ async def test_auto_refuses_without_an_os_layer(monkeypatch):
         await run_python("print(1)", FAST)
     r = await run_python("print(1)", msgspec.structs.replace(FAST, isolation="none"))
     assert (r.stdout, r.isolation, r.network_isolated) == ("1\n", "none", False)
+
+
+
+async def test_a_timed_out_probe_is_retried_and_the_downgrade_is_logged(bwrap_limits, monkeypatch, tmp_path):
+    """A bwrap probe that times out (a loaded host) is not remembered as
+    "bwrap does not work": auto takes the weaker layer for that run with a
+    warning naming the reason, and the next run probes again (with a longer
+    timeout) and gets bwrap. (unshare is taken as working: on a host whose
+    Python lives under 0700 /root, nobody cannot read its stdlib.)"""
+    import structlog
+
+    real = isolation._bwrap_bin()
+    marker = tmp_path / "slept"
+    fake = tmp_path / "bwrap"
+    # The first call hangs past the probe timeout; later ones are bwrap.
+    fake.write_text(f"#!/bin/sh\nif [ ! -e {marker} ]; then touch {marker}; exec sleep 30; fi\nexec {real} \"$@\"\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(isolation, "_bwrap_bin", lambda: str(fake))
+    monkeypatch.setattr(isolation, "_works", {("unshare", sys.executable): True})
+    monkeypatch.setattr(isolation, "_logged", set())
+    monkeypatch.setattr(isolation, "_probe_timeout", {}, raising=False)
+    monkeypatch.setattr(isolation, "PROBE_TIMEOUT_S", 0.5, raising=False)
+    with structlog.testing.capture_logs() as logs:
+        assert await isolation.choose("auto", sys.executable) == "unshare"
+    assert marker.exists()
+    (downgrade,) = [e for e in logs if e["event"] == "sandbox.isolation_downgraded"]
+    assert (downgrade["log_level"], downgrade["requested"], downgrade["layer"]) == ("warning", "auto", "unshare")
+    assert downgrade["reason"] == "bwrap: probe timed out after 0.5 s"
+    assert await isolation.choose("auto", sys.executable) == "bwrap"
+    r = await run_python("print(1)", FAST)
+    assert (r.stdout, r.isolation) == ("1\n", "bwrap")
+    # Asked for bwrap explicitly, a timed-out probe refuses that run only.
+    marker.unlink()
+    monkeypatch.setattr(isolation, "_works", {})
+    monkeypatch.setattr(isolation, "_probe_timeout", {})
+    with pytest.raises(SandboxError, match=r"bwrap: probe timed out after 0.5 s.*probed again on the next run"):
+        await run_python("print(1)", bwrap_limits)
+    r = await run_python("print(1)", bwrap_limits)
+    assert (r.stdout, r.isolation) == ("1\n", "bwrap")
+    assert_clean(r)
