@@ -17,6 +17,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from conftest import skip_or_fail
 from rlnode.cubes import isolation
 from rlnode.cubes.sandbox import SandboxError, SandboxLimits, run_python
 
@@ -340,8 +341,8 @@ def sandbox_uid_processes() -> list[str]:
 @pytest.fixture
 async def bwrap_limits():
     if not await isolation.works("bwrap", sys.executable):
-        pytest.skip("bubblewrap cannot run here (make test-deps installs it as root); "
-                    "python-math refuses snippets unless isolation='none'")
+        skip_or_fail(f"bubblewrap cannot run here ({isolation._why.get(('bwrap', sys.executable), 'bwrap')}; "
+                     "make test-deps installs it as root); python-math refuses snippets unless isolation='none'")
     return SandboxLimits(wall_timeout_s=6.0, cpu_seconds=3, isolation="bwrap")
 
 
@@ -516,3 +517,14 @@ async def test_a_timed_out_probe_is_retried_and_the_downgrade_is_logged(bwrap_li
     r = await run_python("print(1)", bwrap_limits)
     assert (r.stdout, r.isolation) == ("1\n", "bwrap")
     assert_clean(r)
+
+
+def test_a_missing_sandbox_layer_fails_under_ci(monkeypatch):
+    """The bwrap tests skip where bubblewrap cannot run, but not in CI: there
+    a skip would hide the sandbox boundary, so it is a failure."""
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="bubblewrap"):
+        skip_or_fail("bubblewrap cannot run here")
+    monkeypatch.delenv("CI")
+    with pytest.raises(pytest.skip.Exception, match="bubblewrap"):
+        skip_or_fail("bubblewrap cannot run here")
