@@ -13,7 +13,7 @@ import sys
 
 import msgspec
 
-from rlnode.config import Config
+from rlnode.config import Config, ConfigError
 
 
 async def run_eval(cfg: Config, cube_ids: list[str], episodes: int | None, show_progress: bool) -> dict[str, dict]:
@@ -58,7 +58,14 @@ def print_eval_table(results: dict[str, dict]) -> None:
 def main_eval(cfg: Config, args) -> int:
     if args.model:
         cfg.model.path = args.model
-    results = asyncio.run(run_eval(cfg, args.cube or [], args.episodes, show_progress=not args.json))
+    try:
+        results = asyncio.run(run_eval(cfg, args.cube or [], args.episodes, show_progress=not args.json))
+    except ConfigError as e:
+        # A cube refused its options at start (a verifiers environment that
+        # cannot be imported, a runtime that cannot run here): the message
+        # names the cube and the key; a traceback would bury it.
+        print(f"rlnode eval: config error: {e}", file=sys.stderr)
+        return 2
     if args.json:
         print(msgspec.json.encode(results).decode())
     else:

@@ -17,6 +17,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from conftest import skip_or_fail
 from rlnode.cubes import isolation
 from rlnode.cubes.sandbox import SandboxError, SandboxLimits, run_python
 
@@ -340,8 +341,8 @@ def sandbox_uid_processes() -> list[str]:
 @pytest.fixture
 async def bwrap_limits():
     if not await isolation.works("bwrap", sys.executable):
-        pytest.skip("bubblewrap cannot run here (make test-deps installs it as root); "
-                    "python-math refuses snippets unless isolation='none'")
+        skip_or_fail(f"bubblewrap cannot run here ({isolation._why.get(('bwrap', sys.executable), 'bwrap')}; "
+                     "make test-deps installs it as root); python-math refuses snippets unless isolation='none'")
     return SandboxLimits(wall_timeout_s=6.0, cpu_seconds=3, isolation="bwrap")
 
 
@@ -476,3 +477,54 @@ async def test_auto_refuses_without_an_os_layer(monkeypatch):
         await run_python("print(1)", FAST)
     r = await run_python("print(1)", msgspec.structs.replace(FAST, isolation="none"))
     assert (r.stdout, r.isolation, r.network_isolated) == ("1\n", "none", False)
+
+
+
+async def test_a_timed_out_probe_is_retried_and_the_downgrade_is_logged(bwrap_limits, monkeypatch, tmp_path):
+    """A bwrap probe that times out (a loaded host) is not remembered as
+    "bwrap does not work": auto takes the weaker layer for that run with a
+    warning naming the reason, and the next run probes again (with a longer
+    timeout) and gets bwrap. (unshare is taken as working: on a host whose
+    Python lives under 0700 /root, nobody cannot read its stdlib.)"""
+    import structlog
+
+    real = isolation._bwrap_bin()
+    marker = tmp_path / "slept"
+    fake = tmp_path / "bwrap"
+    # The first call hangs past the probe timeout; later ones are bwrap.
+    fake.write_text(f"#!/bin/sh\nif [ ! -e {marker} ]; then touch {marker}; exec sleep 30; fi\nexec {real} \"$@\"\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(isolation, "_bwrap_bin", lambda: str(fake))
+    monkeypatch.setattr(isolation, "_works", {("unshare", sys.executable): True})
+    monkeypatch.setattr(isolation, "_logged", set())
+    monkeypatch.setattr(isolation, "_probe_timeout", {}, raising=False)
+    monkeypatch.setattr(isolation, "PROBE_TIMEOUT_S", 0.5, raising=False)
+    with structlog.testing.capture_logs() as logs:
+        assert await isolation.choose("auto", sys.executable) == "unshare"
+    assert marker.exists()
+    (downgrade,) = [e for e in logs if e["event"] == "sandbox.isolation_downgraded"]
+    assert (downgrade["log_level"], downgrade["requested"], downgrade["layer"]) == ("warning", "auto", "unshare")
+    assert downgrade["reason"] == "bwrap: probe timed out after 0.5 s"
+    assert await isolation.choose("auto", sys.executable) == "bwrap"
+    r = await run_python("print(1)", FAST)
+    assert (r.stdout, r.isolation) == ("1\n", "bwrap")
+    # Asked for bwrap explicitly, a timed-out probe refuses that run only.
+    marker.unlink()
+    monkeypatch.setattr(isolation, "_works", {})
+    monkeypatch.setattr(isolation, "_probe_timeout", {})
+    with pytest.raises(SandboxError, match=r"bwrap: probe timed out after 0.5 s.*probed again on the next run"):
+        await run_python("print(1)", bwrap_limits)
+    r = await run_python("print(1)", bwrap_limits)
+    assert (r.stdout, r.isolation) == ("1\n", "bwrap")
+    assert_clean(r)
+
+
+def test_a_missing_sandbox_layer_fails_under_ci(monkeypatch):
+    """The bwrap tests skip where bubblewrap cannot run, but not in CI: there
+    a skip would hide the sandbox boundary, so it is a failure."""
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="bubblewrap"):
+        skip_or_fail("bubblewrap cannot run here")
+    monkeypatch.delenv("CI")
+    with pytest.raises(pytest.skip.Exception, match="bubblewrap"):
+        skip_or_fail("bubblewrap cannot run here")

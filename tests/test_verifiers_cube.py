@@ -25,7 +25,9 @@ import sys
 import pytest
 from aiohttp import web
 
+from conftest import skip_or_fail
 from daemons import ROOT, free_port
+from rlnode.config import ConfigError
 from rlnode.cubes.base import AgentEndpoint, CubeError
 from rlnode.cubes.registry import make_cube, parse_options
 from rlnode.wire import unpack_i32
@@ -35,7 +37,13 @@ GUESS = "rlnode.cubes.vf_guess"
 
 @pytest.fixture(scope="module")
 def vf():
-    return pytest.importorskip("verifiers.v1")
+    # Not importorskip: in CI (which installs the extra) an ImportError
+    # anywhere under verifiers must fail these tests, not hide them.
+    try:
+        import verifiers.v1 as vf
+    except ImportError as e:
+        skip_or_fail(f"verifiers.v1 cannot be imported ({e}); pip install 'rlnode[verifiers]'")
+    return vf
 
 
 def guess_cube(**options):
@@ -56,7 +64,7 @@ def binary_search(messages, max_number=8):
 
 
 @contextlib.asynccontextmanager
-async def scripted_server(policy, key="rlnode-test-key", fail: bool = False):
+async def scripted_server(policy, key="rlnode-test-key", fail: bool = False, delay_s: float = 0.0):
     """An OpenAI chat-completions endpoint whose replies come from
     ``policy(messages)``; it checks the bearer key like the gateway does."""
     requests: list[dict] = []
@@ -66,6 +74,7 @@ async def scripted_server(policy, key="rlnode-test-key", fail: bool = False):
             return web.json_response({"error": {"message": "bad key"}}, status=401)
         body = await request.json()
         requests.append(body)
+        await asyncio.sleep(delay_s)
         if fail:
             return web.json_response({"error": {"message": "engine down"}}, status=503)
         text = policy(body["messages"])
@@ -194,8 +203,111 @@ async def test_config_errors_surface_at_start(vf):
         await guess_cube(env_args={"player": {"retries": {"max_retries": 2}}}).start()
     with pytest.raises(ValueError, match="max_number"):
         await guess_cube(env_args={"taskset": {"max_number": 1}}).start()
-    with pytest.raises(ModuleNotFoundError, match="rlnode.cubes.no_such_env"):
-        await guess_cube(env="rlnode.cubes.no_such_env").start()
+    # One line naming the cube, the environment and the cause: `rlnode eval`
+    # prints it as a config error instead of a traceback.
+    for env, missing in (("rlnode.cubes.no_such_env", "rlnode.cubes.no_such_env"), ("no_such_env", "no_such_env")):
+        with pytest.raises(ConfigError) as e:
+            await guess_cube(env=env).start()
+        assert str(e.value) == (f"cube 'vf': verifiers environment {env!r} cannot be imported: "
+                                f"No module named {missing!r}")
+
+
+async def test_sampling_args_are_checked_at_start(vf):
+    """A key the gateway would ignore, or a value of the wrong type, fails at
+    start naming sampling_args, on both the held-out and the test_env_args
+    paths."""
+    for split_args in ({}, {"test_env_args": {"taskset": {"split": "eval"}}}):
+        with pytest.raises(ConfigError, match=r"cube 'vf': sampling_args: .*`temprature`"):
+            await guess_cube(sampling_args={"temprature": 0.5}, **split_args).start()
+        with pytest.raises(ConfigError, match=r"cube 'vf': sampling_args: .*`sampling_args.max_tokens`"):
+            await guess_cube(sampling_args={"max_tokens": "many"}, **split_args).start()
+        await guess_cube(sampling_args={"temperature": 0.5, "max_tokens": 16}, **split_args).start()
+
+
+# -- an upstream-shaped environment: verifiers' own single-agent env -------------
+
+SINGLE = "vf_envs"  # tests/vf_envs.py
+LOCAL = {"agent": {"runtime": {"type": "subprocess"}}}
+
+
+def single_cube(env_args=LOCAL, **options):
+    return make_cube("vf1", "verifiers", {"env": SINGLE, "num_train": 2, "num_test": 1, "env_args": env_args,
+                                          **options}, seed=0)
+
+
+async def test_a_remote_runtime_is_refused_at_start(vf):
+    """verifiers' default runtime is its remote Prime sandbox: unchanged, an
+    upstream env's episode needs a Prime login and died with SystemExit. The
+    cube refuses it at start, naming the key to set."""
+    with pytest.raises(ConfigError) as e:
+        await single_cube(env_args={}).start()
+    assert str(e.value) == ('cube \'vf1\': env_args.agent.runtime.type = "prime" needs network and credentials '
+                            '(a remote sandbox); set env_args.agent.runtime.type = "subprocess"')
+    with pytest.raises(ConfigError, match=r'test_env_args.agent.runtime.type = "modal"'):
+        await single_cube(test_env_args={"agent": {"runtime": {"type": "modal"}}}).start()
+    cube = single_cube()
+    await cube.start()
+    task = await cube.open_task("train-00000")
+    async with scripted_server(lambda m: str(task.task.data.answer)) as (endpoint, requests):
+        assert await task.run_agent(endpoint, {}) == 1.0
+    assert len(requests) == 1
+
+
+async def test_a_foreign_base_exception_fails_only_its_episode(vf):
+    """SystemExit from the environment's harness or rubric (the rubric runs
+    in a task verifiers spawns, where asyncio re-raises SystemExit out of the
+    loop) is a CubeError for that episode; the loop and a concurrent episode
+    carry on."""
+    for where in ("harness", "rubric"):
+        cube = single_cube(env_args={**LOCAL, "taskset": {"task": {"exit_in": where}}})
+        await cube.start()
+        healthy = single_cube()
+        await healthy.start()
+        bad, good = await cube.open_task("train-00000"), await healthy.open_task("train-00000")
+        async with scripted_server(lambda m: "2") as (endpoint, _):
+            results = await asyncio.gather(bad.run_agent(endpoint, {}), good.run_agent(endpoint, {}),
+                                           return_exceptions=True)
+        assert isinstance(results[0], CubeError) and f"SystemExit: the {where} exits" in str(results[0])
+        assert results[1] == 1.0
+    await asyncio.sleep(0)  # still on a live loop
+
+
+async def test_a_cancelled_episode_unwinds_its_own_loop(vf):
+    """The episode's timeout cancels the caller: the environment's loop is
+    cancelled too, its thread ends and the key variable is gone."""
+    import threading
+
+    cube = single_cube()
+    await cube.start()
+    task = await cube.open_task("train-00000")
+    async with scripted_server(lambda m: "2", delay_s=4) as (endpoint, requests):
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(task.run_agent(endpoint, {}), 1.0)
+    assert len(requests) == 1
+    assert not [t for t in threading.enumerate() if t.name.startswith("rlnode-verifiers")]
+    assert not [k for k in os.environ if k.startswith("RLNODE_VF_API_KEY_")]
+
+
+def test_rlnode_eval_prints_one_line_for_a_cube_that_cannot_start(vf, tmp_path, capsys):
+    """`rlnode eval` (its command function, in-process: cubes start before
+    any engine) on an environment that cannot be imported and on one left
+    on the remote runtime: one config-error line each, exit code 2."""
+    import argparse
+
+    from rlnode.config import load_config
+    from rlnode.evaluate import main_eval
+
+    args = argparse.Namespace(model=None, cube=[], episodes=1, json=True)
+    for options, line in (
+            ('{env="no_such_env"}', "cube 'x': verifiers environment 'no_such_env' cannot be imported: "
+                                    "No module named 'no_such_env'"),
+            (f'{{env="{SINGLE}"}}', 'cube \'x\': env_args.agent.runtime.type = "prime" needs network and '
+                                    'credentials (a remote sandbox); set env_args.agent.runtime.type = "subprocess"')):
+        cfg = load_config(ROOT / "conf/verifiers-guess.toml",
+                          [f"run.run_dir={tmp_path}", f'actor.cubes=[{{id="x", kind="verifiers", options={options}}}]'])
+        assert main_eval(cfg, args) == 2
+        out = capsys.readouterr()
+        assert (out.out, out.err) == ("", f"rlnode eval: config error: {line}\n")
 
 
 async def test_load_environment_builds_the_env_alone(vf):
@@ -218,7 +330,7 @@ def test_options_validate_without_verifiers_and_missing_extra_is_named(monkeypat
     from rlnode.cubes import verifiers_cube
 
     monkeypatch.setitem(sys.modules, "verifiers.v1", None)  # as if the extra were not installed
-    with pytest.raises(ModuleNotFoundError, match=r"pip install 'rlnode\[verifiers\]'"):
+    with pytest.raises(ConfigError, match=r"cube 'vf': .*pip install 'rlnode\[verifiers\]'"):
         asyncio.run(guess_cube().start())
     with pytest.raises(ModuleNotFoundError, match="verifiers extra"):
         verifiers_cube.import_verifiers()

@@ -2,8 +2,10 @@
 its command line. The security boundary of ``rlnode.cubes.sandbox`` lives
 here; the bootstrap's audit hook there is only a friendly error message.
 
-Owns: the choice of layer (probed once per interpreter and layer, cached,
-logged once), the argv prefix that puts the interpreter inside it, and the
+Owns: the choice of layer (probed per interpreter and layer; a definite
+answer is cached for the process, a timed-out probe is not: the next run
+probes again with a longer timeout; the choice logged once, a downgrade
+from bwrap under ``auto`` logged as a warning with its reason), the argv prefix that puts the interpreter inside it, and the
 uid the snippet runs as. Must not touch the caller's process (no rlimits,
 uid or cwd changes here: every restriction is applied by the wrapper or by
 the child's bootstrap before the snippet's first instruction).
@@ -75,10 +77,19 @@ class Wrap(msgspec.Struct, frozen=True):
     privileges_dropped: bool
 
 
-# {(layer, exe): works}, probed once per interpreter.
+# {(layer, exe): works}: definite probe answers only, once per interpreter.
 _works: dict[tuple[str, str], bool] = {}
-# Layers already logged, so the choice appears once per process.
-_logged: set[tuple[str, str]] = set()
+# Seconds a probe may take. A probe starts an interpreter inside the layer:
+# well under a second when idle, but a loaded host (a training step on every
+# core) can stretch it past any fixed bound, so a timeout is not an answer:
+# each timed-out probe doubles the next one's bound, up to PROBE_TIMEOUT_MAX_S.
+PROBE_TIMEOUT_S = 10.0
+PROBE_TIMEOUT_MAX_S = 120.0
+_probe_timeout: dict[tuple[str, str], float] = {}
+# Why each layer last failed its probe, for the downgrade warning and errors.
+_why: dict[tuple[str, str], str] = {}
+# Choices (and downgrades) already logged, so each appears once per process.
+_logged: set[tuple[str, ...]] = set()
 
 
 def interpreter(exe: str) -> str:
@@ -178,8 +189,9 @@ def unshare_prefix() -> list[str]:
     return [unshare, "--net", "--pid", "--ipc", "--uts", "--fork", "--kill-child", "--mount-proc", "--"]
 
 
-async def _exits_zero(argv: list[str]) -> bool:
-    """Run a probe command; True when it exits 0 within 10 s."""
+async def _exits_zero(argv: list[str], timeout_s: float) -> bool | None:
+    """Run a probe command: True when it exits 0, False when it fails, None
+    when it is still running after ``timeout_s`` (killed: no answer)."""
     try:
         proc = await asyncio.create_subprocess_exec(
             *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
@@ -187,7 +199,7 @@ async def _exits_zero(argv: list[str]) -> bool:
     except OSError:
         return False
     try:
-        async with asyncio.timeout(10):
+        async with asyncio.timeout(timeout_s):
             return await proc.wait() == 0
     except TimeoutError:
         try:
@@ -195,7 +207,7 @@ async def _exits_zero(argv: list[str]) -> bool:
         except ProcessLookupError:
             pass
         await proc.wait()
-        return False
+        return None
 
 
 def _probe_argv(layer: Layer, real_exe: str) -> list[str]:
@@ -211,16 +223,28 @@ def _probe_argv(layer: Layer, real_exe: str) -> list[str]:
 
 
 async def works(layer: Layer, exe: str) -> bool:
+    """Whether ``layer`` runs ``exe`` here; when not, ``_why`` says why."""
     key = (layer, exe)
-    if key not in _works:
-        try:
-            argv = _probe_argv(layer, interpreter(exe))
-        except SandboxUnavailable:
-            ok = False
-        else:
-            ok = await _exits_zero(argv)
-        _works[key] = ok  # concurrent first calls may both probe; they agree
-    return _works[key]
+    if key in _works:
+        return _works[key]
+    try:
+        argv = _probe_argv(layer, interpreter(exe))
+    except SandboxUnavailable as e:
+        ok: bool | None = False
+        _why[key] = f"{layer}: {e}"
+    else:
+        timeout_s = _probe_timeout.get(key, PROBE_TIMEOUT_S)
+        ok = await _exits_zero(argv, timeout_s)
+        if ok is None:
+            # Not cached: a slow probe says the host is busy, not that the
+            # layer is broken. The next run asks again, allowing longer.
+            _probe_timeout[key] = min(2 * timeout_s, PROBE_TIMEOUT_MAX_S)
+            _why[key] = f"{layer}: probe timed out after {timeout_s:g} s"
+            return False
+        if not ok:
+            _why[key] = f"{layer}: probe failed (the layer cannot start {interpreter(exe)} here)"
+    _works[key] = ok  # concurrent first calls may both probe; they agree
+    return ok
 
 
 async def choose(requested: Isolation, exe: str) -> Layer:
@@ -229,14 +253,29 @@ async def choose(requested: Isolation, exe: str) -> Layer:
         layer: Layer = "none"
     else:
         candidates: tuple[Layer, ...] = ("bwrap", "unshare") if requested == "auto" else (requested,)
+        failed: list[str] = []
         for layer in candidates:
             if await works(layer, exe):
                 break
+            failed.append(_why.get((layer, exe), layer))
         else:
+            if any("timed out" in f for f in failed):
+                raise SandboxUnavailable(
+                    f"no OS isolation for this snippet (isolation={requested!r}; {'; '.join(failed)}): the "
+                    "host was too busy to answer the probe; it is probed again on the next run")
             raise SandboxUnavailable(
-                f"no OS isolation for snippets (isolation={requested!r}; tried {', '.join(candidates)}): "
+                f"no OS isolation for snippets (isolation={requested!r}; {'; '.join(failed)}): "
                 "install bubblewrap (apt-get install bubblewrap), or set isolation = \"none\" to run "
                 "snippets unisolated, as the daemon's user")
+        if failed:
+            # auto took a weaker layer than it prefers: files are then
+            # protected by nobody's permissions only. Never silent; once per
+            # reason (a timed-out probe is retried, so it can recur).
+            reason = "; ".join(failed)
+            if (requested, layer, reason) not in _logged:
+                _logged.add((requested, layer, reason))
+                log.warning("sandbox.isolation_downgraded", requested=requested, layer=layer, reason=reason,
+                            key="sandbox.isolation")
     if (requested, layer) not in _logged:
         _logged.add((requested, layer))
         if layer == "none":

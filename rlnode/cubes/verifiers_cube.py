@@ -28,6 +28,19 @@ Splits: train tasks are the first ``num_train`` of the taskset configured by
 ``test_env_args`` is empty, are held out of the train stream (its first
 ``num_test`` rows; train then starts after them).
 
+Start refuses what cannot run here, each as a one-line ``ConfigError`` naming
+the cube and the key: an environment that cannot be imported, sampling_args
+the gateway would not honour, a seat whose runtime is a remote sandbox
+(verifiers' default, ``prime``: it needs network, credentials and a public
+tunnel to reach the gateway on this host), verifiers' own retries.
+
+Containment. Each episode plays on an event loop of its own, in a thread of
+its own (``contained``): asyncio re-raises ``SystemExit`` and
+``KeyboardInterrupt`` from *any* task straight out of the loop, so a
+``sys.exit`` anywhere in a foreign environment (its rubric runs under
+``gather``) would otherwise stop the actor. There it ends only its loop and
+becomes a ``CubeError`` for its episode.
+
 Owns: the verifiers import, config and task lists, one verifiers episode per
 rlnode episode. Must not touch tokens or samples (the gateway does). The
 verifiers import is lazy: rlnode runs without the extra.
@@ -35,21 +48,29 @@ verifiers import is lazy: rlnode runs without the extra.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
 import importlib
 import os
 import secrets
 import sys
-from typing import Annotated, Any, Iterator
+import threading
+from typing import Annotated, Any, Awaitable, Callable, Iterator, TypeVar
 
 import msgspec
 from msgspec import Meta
 
+from rlnode.config import ConfigError
 from rlnode.cubes.base import (
     Action, AgentEndpoint, AgentTask, Cube, CubeError, CubeTaskRef, Evaluation, Reset, Split, StepResult, ToolSpec,
     run_blocking,
 )
 from rlnode.cubes.tasks import split_index
+from rlnode.log import get_logger
+
+log = get_logger("rlnode.cubes.verifiers")
+T = TypeVar("T")
 
 EXTRA_HINT = "pip install 'rlnode[verifiers]'"
 
@@ -69,11 +90,34 @@ class VerifiersOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     # Tasks per split (ids train-N / test-N).
     num_train: Annotated[int, Meta(ge=1)] = 10_000
     num_test: Annotated[int, Meta(ge=0)] = 64
-    # verifiers sampling knobs imposed on every model call (temperature,
-    # max_tokens, ...); the gateway caps them at the run's actor.sampling.
+    # verifiers sampling knobs imposed on every model call: the keys of
+    # GatewaySampling (what the gateway honours); the gateway caps them at
+    # the run's actor.sampling.
     sampling_args: dict[str, Any] = {}
     # Seconds for one whole episode, the environment's agent included.
     timeout_s: Annotated[float, Meta(gt=0)] = 600.0
+
+
+class GatewaySampling(msgspec.Struct, forbid_unknown_fields=True):
+    """The sampling knobs the gateway's ``ChatRequest`` honours. verifiers
+    passes any other key through to the endpoint, where the gateway ignores
+    it, so a typo (``temprature``) would silently not apply: refused at start."""
+
+    temperature: Annotated[float, Meta(ge=0)] | None = None
+    top_p: Annotated[float, Meta(gt=0, le=1)] | None = None
+    max_tokens: Annotated[int, Meta(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+
+
+def check_sampling(sampling_args: dict[str, Any]) -> None:
+    """``sampling_args`` as the gateway takes them, or a ValueError naming
+    the key (``sampling_args.max_tokens``)."""
+    try:
+        msgspec.convert(sampling_args, GatewaySampling, strict=True)
+    except msgspec.ValidationError as e:
+        raise ValueError(f"sampling_args: {str(e).replace('`$', '`sampling_args')}") from None
 
 
 # -- verifiers plumbing (import-free until called) ------------------------------
@@ -121,10 +165,18 @@ def env_config(env: str, env_args: dict[str, Any]):
 
 @contextlib.contextmanager
 def api_key_var(key: str) -> Iterator[str]:
-    """verifiers reads an endpoint's API key from an environment variable
-    named in its client config; the gateway's key is per episode, so each
-    episode gets a variable of its own for its lifetime. The name contains
-    API_KEY, which verifiers' subprocess runtime keeps from its children."""
+    """The episode's gateway key as an environment variable, for its lifetime.
+
+    Why os.environ: verifiers 0.4 takes an endpoint's key only from
+    ``os.environ[client.api_key_var]`` (``configs/client.py``
+    ``resolve_api_key``, read when the interception builds its client and
+    again on every ``/v1/models`` relay); its client config has no key field,
+    and a key in ``headers`` is overwritten by the dialect's ``Bearer EMPTY``.
+    The narrowest form of it: a variable name per episode (concurrent
+    episodes never share or overwrite one), set and removed on the actor's
+    loop thread around the episode, its name containing API_KEY, which
+    verifiers' subprocess runtime strips from its children. The key itself is
+    the gateway's for this one episode: it opens nothing once the episode ends."""
     var = f"RLNODE_VF_API_KEY_{secrets.token_hex(8)}"
     os.environ[var] = key
     try:
@@ -141,17 +193,90 @@ def _load(env: str, env_args: dict[str, Any], count: int):
     return config, list(vf.load_environment(config).taskset.take(count)) if count else []
 
 
-def _check(config, sampling_args: dict[str, Any]) -> None:
-    """What rlnode needs of a verifiers config, checked once at start."""
+def _check(config, key: str) -> None:
+    """What rlnode needs of a verifiers config, checked once at start; ``key``
+    is the options table it came from (env_args, test_env_args)."""
     vf = import_verifiers()
-    vf.SamplingConfig(**sampling_args)
+    from verifiers.v1.runtimes import runtime_is_local
+
     for name, seat in config:
-        if isinstance(seat, vf.AgentConfig) and (seat.retries.max_retries or any(
-                r.max_retries for r in seat.retries.rules)):
+        if not isinstance(seat, vf.AgentConfig):
+            continue
+        if seat.retries.max_retries or any(r.max_retries for r in seat.retries.rules):
             # A retried run re-plays the task inside one rlnode episode: the
             # failed attempt's calls would stay in it as samples.
-            raise ValueError(f"env_args.{name}.retries: leave verifiers' retries off; rlnode retries whole "
+            raise ValueError(f"{key}.{name}.retries: leave verifiers' retries off; rlnode retries whole "
                              "episodes (actor.scheduler.max_retries)")
+        if not runtime_is_local(seat.runtime):
+            # prime / modal / e2b: a paid remote box, an API key, and a public
+            # tunnel back to the gateway, which listens on this host. Without
+            # the key verifiers raises SystemExit mid-episode. Local container
+            # runtimes (docker, podman, apptainer) pass: their user chose them.
+            raise ValueError(f'{key}.{name}.runtime.type = "{seat.runtime.type}" needs network and credentials '
+                             f'(a remote sandbox); set {key}.{name}.runtime.type = "subprocess"')
+
+
+def _not_found(e: ModuleNotFoundError) -> str:
+    """The innermost "No module named ..." under verifiers' own wording."""
+    while isinstance(e.__cause__, ModuleNotFoundError):
+        e = e.__cause__
+    return str(e)
+
+
+async def contained(what: str, fn: Callable[[], Awaitable[T]], cancel_grace_s: float = 10.0) -> T:
+    """``await fn()`` on an event loop of its own, in a thread of its own.
+
+    asyncio re-raises SystemExit and KeyboardInterrupt from any task out of
+    its loop (``Task.__step``, ``Handle._run``), so no ``except`` around an
+    await can hold one raised in a task the environment spawned; here it
+    ends only this loop. Any BaseException that is not an Exception comes
+    back as a CubeError naming ``what``; exceptions come back as raised.
+    Cancelling the caller cancels ``fn`` and waits up to ``cancel_grace_s``
+    for it to unwind (then leaves the daemon thread, logged)."""
+    outer = asyncio.get_running_loop()
+    done: asyncio.Future = outer.create_future()
+    started: concurrent.futures.Future = concurrent.futures.Future()  # (loop, task) of fn
+    stop = threading.Event()
+
+    async def main() -> T:
+        started.set_result((asyncio.get_running_loop(), asyncio.current_task()))
+        if stop.is_set():
+            raise asyncio.CancelledError
+        return await fn()
+
+    def settle(outcome: tuple[bool, Any]) -> None:
+        if not done.done():
+            done.set_result(outcome)
+
+    def thread() -> None:
+        try:
+            outcome = (True, asyncio.run(main()))
+        except BaseException as e:  # noqa: BLE001 - every outcome crosses back to the caller's loop
+            outcome = (False, e)
+        with contextlib.suppress(RuntimeError):  # the caller's loop is gone: nobody waits
+            outer.call_soon_threadsafe(settle, outcome)
+
+    threading.Thread(target=thread, name=f"rlnode-{what}", daemon=True).start()
+    try:
+        ok, value = await asyncio.shield(done)
+    except asyncio.CancelledError:
+        stop.set()
+        if started.done():
+            loop, task = started.result()
+            with contextlib.suppress(RuntimeError):  # its loop already closed
+                loop.call_soon_threadsafe(task.cancel)
+        try:
+            await asyncio.wait_for(asyncio.shield(done), cancel_grace_s)
+        except TimeoutError:
+            log.warning("verifiers.cancel_unfinished", what=what, grace_s=cancel_grace_s)
+        raise
+    if ok:
+        return value
+    if isinstance(value, Exception):
+        raise value
+    # SystemExit, KeyboardInterrupt, a CancelledError the environment raised
+    # on its own, any other BaseException: this episode failed, nothing more.
+    raise CubeError(f"{what}: the environment raised {type(value).__name__}: {value}") from value
 
 
 def _trained(traces: list) -> list:
@@ -194,15 +319,19 @@ class VerifiersTask(AgentTask):
 
     async def run_agent(self, endpoint: AgentEndpoint, task: dict[str, Any]) -> float:
         vf = import_verifiers()
-        env = vf.load_environment(self.config)
+
+        async def play():
+            env = vf.load_environment(self.config)
+            async with env.serving():
+                return await env.run_episode(self.task, ctx)
+
         with api_key_var(endpoint.api_key) as var:
             ctx = vf.ModelContext(
                 model=endpoint.model,
                 client=vf.EvalClientConfig(base_url=endpoint.base_url, api_key_var=var),
                 sampling=vf.SamplingConfig(**self.opts.sampling_args),
             )
-            async with env.serving():
-                episode = await env.run_episode(self.task, ctx)
+            episode = await contained("verifiers episode", play)
         self.traces = _trained(episode.traces)
         if not episode.ok:
             err = episode.last_error or next((t.last_error for t in episode.traces if t.last_error), None)
@@ -217,7 +346,7 @@ class VerifiersTask(AgentTask):
                 raise CubeError("no rubric reward: the verifiers episode recorded no run")
             for t in self.traces:
                 if not t.rewards:  # the run failed before its scoring stage
-                    await self.task.score(t)
+                    await contained("verifiers rubric", lambda t=t: self.task.score(t))
             self.reward = sum(t.reward for t in self.traces) / len(self.traces)
         info = {"stop": [t.stop_condition for t in self.traces],
                 "rewards": [{k: (r.value if r else None) for k, r in t.rewards.items()} for t in self.traces],
@@ -237,8 +366,26 @@ class VerifiersCube(Cube):
         self.tasks: dict[Split, list[Any]] = {}  # verifiers Tasks per split
 
     async def start(self) -> None:
+        """Load the task lists; what cannot run is a one-line ConfigError
+        naming this cube (``rlnode eval`` prints it without a traceback)."""
         o = self.opts
-        await run_blocking(import_verifiers)
+        try:
+            check_sampling(o.sampling_args)
+            await run_blocking(import_verifiers)
+            try:
+                await self._load_splits()
+            except ModuleNotFoundError as e:
+                raise ValueError(f"verifiers environment {o.env!r} cannot be imported: {_not_found(e)}") from e
+            _check(self.configs["train"], "env_args")
+            if o.test_env_args:
+                _check(self.configs["test"], "test_env_args")
+        except (ValueError, ModuleNotFoundError) as e:  # pydantic's ValidationError is a ValueError
+            raise ConfigError(f"cube {self.cube_id!r}: {e}") from e
+        if not self.tasks["train"]:
+            raise CubeError(f"verifiers env {o.env!r} yielded no train tasks")
+
+    async def _load_splits(self) -> None:
+        o = self.opts
         if o.test_env_args:
             self.configs["train"], self.tasks["train"] = await run_blocking(_load, o.env, o.env_args, o.num_train)
             test_args = merged(o.env_args, o.test_env_args)
@@ -247,10 +394,6 @@ class VerifiersCube(Cube):
             config, rows = await run_blocking(_load, o.env, o.env_args, o.num_test + o.num_train)
             self.configs = {"train": config, "test": config}
             self.tasks = {"test": rows[:o.num_test], "train": rows[o.num_test:]}
-        for config in self.configs.values():
-            _check(config, o.sampling_args)
-        if not self.tasks["train"]:
-            raise CubeError(f"verifiers env {o.env!r} yielded no train tasks")
 
     async def task_ids(self, split: Split) -> list[str]:
         return [f"{split}-{i:05d}" for i in range(len(self.tasks.get(split, [])))]

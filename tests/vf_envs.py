@@ -1,0 +1,62 @@
+"""A verifiers environment for ``tests/test_verifiers_cube.py`` shaped like an
+unchanged upstream one (``reverse_text`` from the verifiers repository): a
+taskset and a harness, no ``Env`` of its own, so verifiers plays it with its
+``SingleAgentEnv`` whose one seat, ``agent``, keeps verifiers' default
+runtime (the remote Prime sandbox).
+
+It is ``vf_guess``'s one-call game with a knob to misbehave:
+``taskset.task.exit_in = "harness" | "rubric"`` makes that part raise
+``SystemExit``, as code calling ``sys.exit`` (or verifiers' own Prime login
+check) does inside an episode.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import verifiers.v1 as vf
+
+from rlnode.cubes import vf_guess
+
+
+class ExitTaskConfig(vf_guess.GuessTaskConfig):
+    exit_in: Literal["", "harness", "rubric"] = ""
+
+
+class ExitConfig(vf_guess.GuessConfig):
+    task: ExitTaskConfig = ExitTaskConfig()
+
+
+class ExitData(vf_guess.GuessData):
+    exit_in: str = ""
+
+
+class ExitTask(vf.Task[ExitData, vf.State, ExitTaskConfig]):
+    @property
+    def key(self) -> str:
+        return self.data.id or self.hash
+
+    @vf.reward
+    async def correct(self, task: ExitData, trace: vf.Trace) -> float:
+        if task.exit_in == "rubric":
+            raise SystemExit("the rubric exits")
+        return float(vf_guess.first_int(trace.assistant_messages[-1].content) == task.answer)
+
+
+class ExitTaskset(vf.Taskset[ExitTask, ExitConfig]):
+    def load(self):
+        cfg = self.config
+        for i in range(cfg.num_tasks):
+            yield ExitTask(ExitData(id=f"{cfg.split}-{i:05d}", prompt="Guess a number from 1 to 2.",
+                                    system_prompt=vf_guess.SYSTEM_PROMPT, answer=1 + i % 2, max_number=2,
+                                    max_turns=1, exit_in=cfg.task.exit_in), cfg.task)
+
+
+class ExitHarness(vf_guess.GuessHarness):
+    async def launch(self, ctx, trace, runtime, endpoint, secret, mcp_urls, data, **kw) -> vf.ProgramResult:
+        if getattr(data, "exit_in", "") == "harness":
+            raise SystemExit("the harness exits")
+        return await super().launch(ctx, trace, runtime, endpoint, secret, mcp_urls, data, **kw)
+
+
+__all__ = ["ExitHarness", "ExitTaskset"]
