@@ -83,6 +83,30 @@ def blocking_returns(task, base_url, api_key):
     return 0.5
 
 
+def try_to_escape() -> dict:
+    """What a tool call could try from inside the agent: each entry is what
+    it got (the test wants every one refused)."""
+    import socket
+
+    out = {"uid": os.getuid()}
+
+    def attempt(name, fn):
+        try:
+            out[name] = f"ok: {fn()!r}"[:80]
+        except Exception as e:  # noqa: BLE001 - refused is the point
+            out[name] = f"refused: {type(e).__name__}"
+
+    attempt("daemon_environ", lambda: open(f"/proc/{os.environ['DAEMON_PID']}/environ", "rb").read(10))
+    attempt("secret_file", lambda: open(os.environ["SECRET_FILE"]).read())
+    attempt("run_dir", lambda: os.listdir(os.environ["RUN_DIR"]))
+    attempt("link_port", lambda: socket.create_connection(("127.0.0.1", int(os.environ["LINK_PORT"])), 2).close())
+    attempt("internet", lambda: socket.create_connection(("1.1.1.1", 53), 2).close())
+    attempt("write_outside_tmp", lambda: open(os.path.join(os.environ["RUN_DIR"], "planted"), "w").write("x"))
+    attempt("kill_pid_1_of_host", lambda: os.kill(int(os.environ["DAEMON_PID"]), 0))
+    out["secrets_in_env"] = sorted(k for k in os.environ if k in ("HF_TOKEN", "AWS_SECRET_ACCESS_KEY"))
+    return out
+
+
 def command_main(mode: str) -> int:
     task = json.load(sys.stdin)
     base_url, api_key = os.environ["OPENAI_BASE_URL"], os.environ["OPENAI_API_KEY"]
@@ -95,10 +119,12 @@ def command_main(mode: str) -> int:
         with open(os.environ["PID_FILE"], "w") as f:
             json.dump([os.getpid(), child.pid], f)
         time.sleep(600)
-    if mode == "env":
-        with open(os.environ["OUT_FILE"], "w") as f:
-            json.dump(sorted(os.environ), f)
-        return 0
+    if mode == "env":  # reported on stderr: a sandboxed agent cannot write the test's files
+        print("ENV " + json.dumps(sorted(os.environ)), file=sys.stderr)
+        return 3
+    if mode == "escape":
+        print("REPORT " + json.dumps(try_to_escape()), file=sys.stderr)
+        return 3
     if mode == "forge":
         # What a tool call the policy got the agent to run can do: a child
         # process with the agent's environment posts a huge reward, with the
@@ -106,11 +132,10 @@ def command_main(mode: str) -> int:
         script = ("import httpx, os, sys; r = httpx.post(os.environ['RLNODE_ENV_URL'] + '/reward', "
                   "json={'reward': 1e30, 'success': True}, "
                   "headers={'Authorization': 'Bearer ' + os.environ['OPENAI_API_KEY']}); "
-                  "open(os.environ['OUT_FILE'], 'w').write(str(r.status_code))")
+                  "sys.exit(0 if r.status_code == 403 else 5)")
         import subprocess
 
-        subprocess.run([sys.executable, "-c", script], check=True)
-        return 0
+        return subprocess.run([sys.executable, "-c", script]).returncode
     if mode == "fail":
         print("agent says: cannot continue", file=sys.stderr)
         return 3

@@ -21,7 +21,7 @@ from rlnode.actor.generation import LLMClient
 from rlnode.actor.router import AdmissionRouter
 from rlnode.actor.scheduler import CubeStats, RolloutScheduler, VersionSource
 from rlnode.config import SchedulerConfig
-from rlnode.cubes.base import CubeTaskRef
+from rlnode.cubes.base import CubeError, CubeTaskRef
 from rlnode.cubes.openai_agent import AGENT_ENV_ALLOW
 from rlnode.cubes.registry import make_cube
 
@@ -138,7 +138,8 @@ async def test_failing_command_reports_its_stderr(gateway, tmp_path):
 async def test_timed_out_command_is_killed_with_its_children(gateway, tmp_path):
     pid_file = tmp_path / "pids"
     cube = await started({"command": [sys.executable, str(FIXTURES), "hang"], "tasks": tasks_file(tmp_path),
-                          "env_vars": {"PID_FILE": str(pid_file)}, "timeout_s": 8})
+                          "env_vars": {"PID_FILE": str(pid_file)}, "timeout_s": 8,
+                          "isolation": "none"})  # host pids: the bwrap variant is in the isolation test
     with pytest.raises(AgentFailed, match="timed out"):
         await play(gateway, cube)
     pids = json.loads(pid_file.read_text())
@@ -200,17 +201,16 @@ async def test_command_agent_does_not_inherit_the_daemons_secrets(gateway, tmp_p
     monkeypatch.setenv("OPENAI_API_KEY", "sk-the-operators-own")
     for name in ("HF_TOKEN", "AWS_SECRET_ACCESS_KEY", "WANDB_API_KEY", "RLNODE_CURVE_SECRET"):
         monkeypatch.setenv(name, "secret")
-    out = tmp_path / "env.json"
     cube = await started({"command": [sys.executable, str(FIXTURES), "env"], "tasks": tasks_file(tmp_path),
-                          "env_vars": {"OUT_FILE": str(out)}})
-    with pytest.raises(AgentFailed, match="no reward"):  # this agent only reports its environment
+                          "env_vars": {"OUT_FILE": "x"}})
+    with pytest.raises(CubeError, match="exited with 3") as e:  # this agent only reports its environment
         await play(gateway, cube)
-    seen = json.loads(out.read_text())
+    seen = json.loads(str(e.value).split("ENV ", 1)[1])
     assert [k for k in seen if k.startswith(("RLNODE_", "OPENAI_"))] == [
         "OPENAI_API_KEY", "OPENAI_BASE_URL", "RLNODE_ENV_URL", "RLNODE_MODEL"]
     # An allowlist: whatever else the daemon holds stays with it.
     assert set(seen) <= set(AGENT_ENV_ALLOW) | {"OUT_FILE", "OPENAI_API_KEY", "OPENAI_BASE_URL", "RLNODE_ENV_URL",
-                                                 "RLNODE_MODEL"} | {k for k in seen if k.startswith("LC_")}
+                                                 "RLNODE_MODEL", "PWD"} | {k for k in seen if k.startswith("LC_")}
     assert "PATH" in seen
 
 
@@ -221,11 +221,8 @@ async def test_a_tool_that_posts_a_reward_changes_nothing(gateway, tmp_path):
     """The evaluator decides (reward_source defaults to it): a tool the policy
     gets its agent to run, holding the agent's environment, posts 1e30; the
     gateway refuses it (403) and the episode's reward is the evaluator's."""
-    out = tmp_path / "status"
-    cube = await started({"command": [sys.executable, str(FIXTURES), "forge"], "env": GUESSING,
-                          "env_vars": {"OUT_FILE": str(out)}})
-    task, result = await play(gateway, cube)
-    assert out.read_text() == "403"
+    cube = await started({"command": [sys.executable, str(FIXTURES), "forge"], "env": GUESSING})
+    task, result = await play(gateway, cube)  # the agent exits 5 (failing the episode) unless refused with 403
     assert gateway.stats.rewards_refused == 1
     assert result.reward == float(task.inner.solved) and result.reward != 1e30
 
@@ -269,3 +266,77 @@ async def test_an_agent_raising_systemexit_fails_only_its_episode(gateway, tmp_p
     cube = await started({"agent": f"{FIXTURES}:exits", "tasks": tasks_file(tmp_path)})
     with pytest.raises(AgentFailed, match="SystemExit"):
         await play(gateway, cube)
+
+
+# -- isolation -------------------------------------------------------------------
+
+
+def sandbox_uid_processes() -> list[str]:
+    """Processes running as an agent sandbox's kernel uid (none may outlive
+    an episode)."""
+    from rlnode.cubes import isolation
+
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            status = (proc / "status").read_text()
+        except (OSError, ValueError):
+            continue
+        uid = int(status.split("Uid:")[1].split()[0])
+        if isolation.UID_BASE <= uid < isolation.UID_BASE + isolation.UID_SPAN and "State:\tZ" not in status:
+            found.append(f"{proc.name} uid={uid}")
+    return found
+
+
+async def test_a_sandboxed_agent_reaches_the_gateway_and_nothing_else(gateway, tmp_path, monkeypatch):
+    """The default isolation (bwrap): the agent made its LLM call through the
+    gateway, then every escape a tool call could try was refused: the
+    daemon's /proc, a secret file and the run dir, the link port on
+    loopback, the internet, writing outside its /tmp, the daemon's secrets
+    in its environment."""
+    import socket
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    secret = run_dir / "curve.key_secret"
+    secret.write_text("secret")
+    monkeypatch.setenv("HF_TOKEN", "hf-secret")
+    link = socket.create_server(("127.0.0.1", 0))  # stands for the link's loopback port
+    try:
+        env = {"DAEMON_PID": str(os.getpid()), "SECRET_FILE": str(secret), "RUN_DIR": str(run_dir),
+               "LINK_PORT": str(link.getsockname()[1])}
+        cube = await started({"command": [sys.executable, str(FIXTURES), "escape"], "tasks": tasks_file(tmp_path),
+                              "env_vars": env})
+        with pytest.raises(CubeError, match="exited with 3") as e:
+            await play(gateway, cube)
+    finally:
+        link.close()
+    report = json.loads(str(e.value).split("REPORT ", 1)[1])
+    assert gateway.stats.calls == 1  # the gateway was reachable
+    assert report.pop("uid") != 0 and report.pop("secrets_in_env") == []
+    assert all(v.startswith("refused") for v in report.values()), report
+    assert not (run_dir / "planted").exists()
+    assert sandbox_uid_processes() == []
+
+
+async def test_a_timed_out_sandboxed_agent_leaves_nothing(gateway, tmp_path):
+    cube = await started({"command": [sys.executable, str(FIXTURES), "hang"], "tasks": tasks_file(tmp_path),
+                          "env_vars": {"PID_FILE": "/tmp/pids"}, "timeout_s": 8})
+    with pytest.raises(AgentFailed, match="timed out"):
+        await play(gateway, cube)
+    for _ in range(100):
+        if not sandbox_uid_processes():
+            break
+        time.sleep(0.05)
+    assert sandbox_uid_processes() == []
+
+
+async def test_isolation_none_is_an_explicit_choice_logged_as_an_error(tmp_path):
+    import structlog
+
+    with structlog.testing.capture_logs() as logs:
+        cube = await started({"command": [sys.executable, str(FIXTURES), "post"], "tasks": tasks_file(tmp_path),
+                              "isolation": "none"})
+    await cube.close()
+    (entry,) = [e for e in logs if e["event"] == "agent.unisolated"]
+    assert entry["log_level"] == "error" and entry["key"] == "options.isolation"

@@ -157,29 +157,81 @@ def bwrap_prefix(real_exe: str, workdir: str, env: dict[str, str], tmp_bytes: in
         args += ["--setenv", k, v]
     args += _system_binds()
     show, hide = _python_dirs(real_exe)
-    for d in show:
-        # bwrap would create missing parents with the host's modes (/root is
-        # 0700): the snippet's uid must be able to pass through them.
-        parents, p = [], d
-        while (p := os.path.dirname(p)) != "/":
-            parents.insert(0, p)
-        for parent in parents:
-            args += ["--perms", "0755", "--dir", parent]
-    for d in show:
-        args += ["--ro-bind", d, d]
+    args += _ro_binds(show)
     for d in hide:
         args += ["--tmpfs", d]
     args += ["--proc", "/proc", "--dev", "/dev",
              "--size", str(tmp_bytes), "--perms", "1777", "--tmpfs", "/tmp",
              "--perms", "0777", "--dir", workdir, "--chdir", workdir, "--remount-ro", "/", "--"]
-    if root:
-        setpriv = _setpriv_bin()
-        if setpriv is None:
-            raise SandboxUnavailable("setpriv (util-linux) not found")
-        uid = str(UID_BASE + random.randrange(UID_SPAN))
-        args += [setpriv, "--reuid", uid, "--regid", uid, "--clear-groups", "--bounding-set", "-all",
-                 "--inh-caps", "-all", "--no-new-privs", "--"]
+    return args + _drop_privileges(root)
+
+
+def _ro_binds(paths: list[str]) -> list[str]:
+    args: list[str] = []
+    for d in paths:
+        # bwrap would create missing parents with the host's modes (/root is
+        # 0700): the sandbox's uid must be able to pass through them.
+        parents, p = [], d
+        while (p := os.path.dirname(p)) != "/":
+            parents.insert(0, p)
+        for parent in parents:
+            args += ["--perms", "0755", "--dir", parent]
+    for d in paths:
+        args += ["--ro-bind", d, d]
     return args
+
+
+def _drop_privileges(root: bool) -> list[str]:
+    """setpriv to a fresh unprivileged uid with no capabilities (a root
+    daemon's privileged bwrap); nothing for a user-namespace bwrap."""
+    if not root:
+        return []
+    setpriv = _setpriv_bin()
+    if setpriv is None:
+        raise SandboxUnavailable("setpriv (util-linux) not found")
+    uid = str(UID_BASE + random.randrange(UID_SPAN))
+    return [setpriv, "--reuid", uid, "--regid", uid, "--clear-groups", "--bounding-set", "-all",
+            "--inh-caps", "-all", "--no-new-privs", "--"]
+
+
+AGENT_PUBLIC_ETC = ("/etc/ssl/certs", "/etc/ssl/openssl.cnf", "/etc/ca-certificates", "/etc/pki/tls/certs",
+                    "/etc/hosts", "/etc/nsswitch.conf", "/etc/localtime")
+
+
+def agent_prefix(env: dict[str, str], ro_paths: list[str], chdir: str, tmp_bytes: int) -> list[str]:
+    """bwrap argv for an agent command (``rlnode/cubes/agent_sandbox.py``):
+    the snippets' namespaces (pid, net with loopback only, ipc, uts) and
+    fresh unprivileged uid, but with the Python installation whole (an
+    agent imports its SDKs) and ``ro_paths`` (the agent's own files, the
+    gateway relay's socket) read-only. Writable: a size-bounded /tmp."""
+    bwrap = _bwrap_bin()
+    if bwrap is None:
+        raise SandboxUnavailable("bwrap not found")
+    root = os.geteuid() == 0
+    args = [bwrap, "--die-with-parent", "--new-session", "--clearenv"]
+    if root:
+        args += ["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
+                 "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+    else:
+        args += ["--unshare-all", "--uid", str(NOBODY), "--gid", str(NOBODY)]
+    for k, v in env.items():
+        args += ["--setenv", k, v]
+    args += _system_binds()
+    # The private /tmp first: shown paths under the host's /tmp (the gateway
+    # relay's socket) are bound over it, not hidden by it.
+    args += ["--proc", "/proc", "--dev", "/dev", "--size", str(tmp_bytes), "--perms", "1777", "--tmpfs", "/tmp"]
+    # Public system files SDKs read at import (CA bundles for the SSL context
+    # httpx builds even for a plain-HTTP gateway; hosts for "localhost").
+    public = [p for p in AGENT_PUBLIC_ETC if os.path.exists(p)]
+    public += [p for p in (env.get("SSL_CERT_FILE"), env.get("SSL_CERT_DIR")) if p and os.path.exists(p)]
+    ro_paths = [*ro_paths, *public]
+    pys = {os.path.realpath(sys.base_prefix), os.path.abspath(sys.prefix)}
+    shown = sorted({p for p in pys | {os.path.abspath(p) for p in ro_paths} if not p.startswith("/usr/")})
+    # A path inside another shown one is shown by it already.
+    shown = [p for p in shown if not any(p.startswith(q + "/") for q in shown)]
+    args += _ro_binds(shown)
+    args += ["--perms", "0777", "--dir", "/tmp/home", "--chdir", chdir, "--remount-ro", "/", "--"]
+    return args + _drop_privileges(root)
 
 
 def unshare_prefix() -> list[str]:

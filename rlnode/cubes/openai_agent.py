@@ -50,6 +50,7 @@ from typing import Annotated, Any, Callable, Literal
 import msgspec
 from msgspec import Meta
 
+from rlnode.cubes import agent_sandbox
 from rlnode.cubes.base import (Action, AgentEndpoint, AgentTask, Cube, CubeError, CubeTask, CubeTaskRef,
                                Evaluation, Reset, Split, StepResult, ToolSpec)
 from rlnode.log import get_logger
@@ -89,6 +90,15 @@ class OpenAIAgentOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=Tru
     # Names of daemon environment variables a command agent may see beyond
     # the allowlist (PATH, HOME, locale, TMPDIR, VIRTUAL_ENV, PYTHONPATH).
     pass_env: list[str] = []
+    # How a command agent is isolated: "bwrap" (its own pid and network
+    # namespaces, an unprivileged uid, a read-only view of the system, the
+    # Python installation and its own files; the gateway is the only thing
+    # it can reach: rlnode/cubes/agent_sandbox.py) or "none" (as the daemon's
+    # user, with its files and network; logged as an error).
+    isolation: Literal["bwrap", "none"] = "bwrap"
+    # Extra paths a sandboxed command may read (its package, data files).
+    # The files its argv names, `cwd` and PYTHONPATH are shown already.
+    ro_paths: list[str] = []
 
 
 class OpenAIAgentCube(Cube):
@@ -116,6 +126,8 @@ class OpenAIAgentCube(Cube):
 
         if self.opts.agent:
             self.fn = load_agent(self.opts.agent)
+        else:
+            await agent_sandbox.check(self.opts.isolation, self.cube_id)
         if self.opts.env is not None:
             self.inner = make_cube(f"{self.cube_id}.env", self.opts.env.kind, self.opts.env.options, self.seed)
             await self.inner.start()
@@ -262,9 +274,19 @@ def agent_env(opts: OpenAIAgentOptions, endpoint: AgentEndpoint, environ: dict[s
 
 async def run_command(opts: OpenAIAgentOptions, task: dict[str, Any], endpoint: AgentEndpoint) -> None:
     env = agent_env(opts, endpoint)
+    if opts.isolation == "none":
+        return await _run(opts.command, env, opts.cwd or None, task)
+    env.update(OPENAI_BASE_URL=agent_sandbox.inside_url(endpoint.base_url),
+               RLNODE_ENV_URL=agent_sandbox.inside_url(endpoint.env_url))
+    async with agent_sandbox.GatewayRelay(endpoint.base_url) as relay:
+        argv = agent_sandbox.sandboxed_argv(opts.command, env, relay, opts.cwd, opts.ro_paths)
+        return await _run(argv, {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}, "/", task)
+
+
+async def _run(argv: list[str], env: dict[str, str], cwd: str | None, task: dict[str, Any]) -> None:
     proc = await asyncio.create_subprocess_exec(
-        *opts.command, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.PIPE, env=env, cwd=opts.cwd or None,
+        *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE, env=env, cwd=cwd,
         start_new_session=True,  # its own process group: killed whole, children included
     )
     try:
