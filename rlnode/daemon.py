@@ -221,6 +221,32 @@ def build_roles(cfg: Config, role: str, resume: bool = False) -> list[Role]:
     return roles
 
 
+# Cube kinds that run code the policy steers (agents, their tools, verifiers
+# runtimes) on the actor's node, outside any sandbox when in-process.
+AGENT_CUBE_KINDS = frozenset({"openai-agent", "verifiers"})
+
+
+def agent_link_keys(cfg: Config, role: str) -> str:
+    """With agent cubes configured, a loopback link without CurveZMQ gets
+    keys of its own (``curve.auto_keys`` under the run dir): loopback is no
+    trust boundary while agents run on the node. Returns the curve dir
+    chosen ('' when the config's own rules apply: curve_dir set, no agent
+    cube, or a link beyond loopback, which needs CURVE or insecure anyway)."""
+    from rlnode.link.curve import auto_keys, is_loopback
+
+    if cfg.link.curve_dir or not any(c.kind in AGENT_CUBE_KINDS for c in cfg.actor.cubes):
+        return ""
+    if role == "trainer" and not is_loopback(cfg.trainer.bind_host):
+        return ""
+    if role == "actor" and not all(is_loopback(p.rpartition(":")[0].split("://")[-1]) for p in cfg.actor.peers):
+        return ""
+    node = (cfg.actor.node_id or os.uname().nodename).replace("/", "-")
+    cfg.link.curve_dir = auto_keys(cfg.run.run_dir, cfg.link.key_name or node)
+    log.info("link.curve_auto", curve_dir=cfg.link.curve_dir, why="agent cubes run code on this node; "
+             "loopback is no trust boundary", key="link.curve_dir")
+    return cfg.link.curve_dir
+
+
 def _exposure_checked(cfg: Config, role: str) -> tuple[str, int, str] | None:
     """Refuse, before anything heavy starts, a trainer link or an HTTP
     endpoint open beyond loopback without authentication (the link and the
@@ -248,6 +274,7 @@ def run_daemon(cfg: Config, role: str, resume: bool = False) -> int:
     except ImportError:  # pragma: no cover - uvloop is a dependency
         runner = asyncio.run
     try:
+        agent_link_keys(cfg, role)
         http = _exposure_checked(cfg, role)
     except ValueError as e:
         print(f"rlnode: refusing to start: {e}", file=sys.stderr)

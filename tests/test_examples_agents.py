@@ -316,3 +316,10 @@ def test_example_config_trains_through_the_gateway(tiny_model_dir, tmp_path):
     assert cube["episodes"] >= steps * groups * attempts
     flushed = next(e for e in events if e["event"] == "actor.link_flushed")
     assert flushed["all_acked"] and flushed["unacked"] == 0
+    # An agent cube on the node: the loopback link runs under CurveZMQ with
+    # keys of its own (owner-only), at both ends.
+    keys = tmp_path / "run" / "link-keys"
+    assert next(e for e in events if e["event"] == "link.curve_auto")["curve_dir"] == str(keys)
+    assert next(e for e in events if e["event"] == "link.trainer.started")["curve"] is True
+    assert next(e for e in events if e["event"] == "link.actor.started")["curve"] is True
+    assert (keys.stat().st_mode & 0o777) == 0o700 and (keys / "trainer.key_secret").stat().st_mode & 0o077 == 0

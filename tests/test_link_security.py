@@ -285,3 +285,28 @@ def test_token_file(tmp_path):
         resolve_token(HttpConfig(token_file=str(f)))
     with pytest.raises(HttpAuthError, match="absent"):
         resolve_token(HttpConfig(token_file=str(tmp_path / "absent")))
+
+
+def test_agent_cubes_give_a_loopback_link_keys_of_its_own(tmp_path):
+    """Agent code on the node can reach loopback: a config with an agent cube
+    and no curve_dir gets CurveZMQ keys under its run dir, the same for the
+    trainer and the actor of the node; without agent cubes, or with a
+    curve_dir, nothing changes."""
+    from rlnode.config import CubeConfig, load_config
+    from rlnode.daemon import agent_link_keys
+
+    def cfg(kind, **link):
+        c = load_config(None, [f"run.run_dir={tmp_path / 'run'}", "actor.node_id=n1", "actor.peers=[\"127.0.0.1:5555\"]"])
+        c.actor.cubes = [CubeConfig(id="c", kind=kind)]
+        for k, v in link.items():
+            setattr(c.link, k, v)
+        return c
+
+    trainer, actor = cfg("openai-agent"), cfg("openai-agent")
+    assert agent_link_keys(trainer, "trainer") == agent_link_keys(actor, "actor") == str(tmp_path / "run" / "link-keys")
+    assert trainer.link.curve_dir == actor.link.curve_dir
+    assert (tmp_path / "run" / "link-keys" / "authorized" / "n1.key").is_file()
+    secret = (tmp_path / "run" / "link-keys" / "n1.key_secret").read_bytes()
+    assert agent_link_keys(cfg("verifiers"), "all") and (tmp_path / "run" / "link-keys" / "n1.key_secret").read_bytes() == secret
+    assert agent_link_keys(cfg("guessing"), "all") == ""
+    assert agent_link_keys(cfg("openai-agent", curve_dir="/elsewhere"), "all") == ""

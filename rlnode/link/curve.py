@@ -124,6 +124,29 @@ class KeyRing:
         return self.names().get(z85_public)
 
 
+AUTO_DIR = "link-keys"
+
+
+def auto_keys(run_dir: str | os.PathLike, node_id: str) -> str:
+    """A curve directory under ``run_dir`` (made once, owner-only) for a
+    trainer and the actor of this node when the config names none but runs
+    agent cubes: their code (a function agent in the daemon, a verifiers
+    runtime) can reach loopback, so loopback is no trust boundary and an
+    unauthenticated link would take their frames (a registered node id, a
+    group with chosen rewards). Both daemons of a node derive the same path
+    from the same config; a lock makes the first one write the keys and the
+    second read them."""
+    import fcntl
+
+    root = Path(run_dir) / AUTO_DIR
+    root.mkdir(parents=True, exist_ok=True)
+    os.chmod(root, 0o700)
+    with open(root / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        keygen(root, [node_id])
+    return str(root)
+
+
 def is_loopback(host: str) -> bool:
     """127.0.0.0/8, ::1 or "localhost" (names are not resolved: a name that
     happens to resolve to loopback today is not a promise)."""
