@@ -75,6 +75,19 @@ async def until_refused(task, base_url, api_key):
         await llm.close()
 
 
+async def off_the_daemon(task, base_url, api_key):
+    """1.0 when it runs outside the process that started its cube."""
+    await one_call(base_url, api_key)
+    return float(os.getpid() != int(os.environ["DAEMON_PID"]))
+
+
+def blocking_hang(task, base_url, api_key):
+    """A blocking agent that never ends: cancellation cannot reach it."""
+    llm = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    llm.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    time.sleep(600)
+
+
 def blocking_returns(task, base_url, api_key):
     """A plain (blocking) function: runs in a thread."""
     llm = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)

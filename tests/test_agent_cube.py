@@ -2,6 +2,7 @@
 command) play episodes through the gateway with the real engine; failures
 are retried then counted; nothing outlives an episode."""
 
+import asyncio
 import json
 import os
 import sys
@@ -49,11 +50,25 @@ async def gateway(engine, tokenizer, router):
     await assert_engine_idle(engine)
 
 
+OPEN_CUBES = []
+
+
+@pytest.fixture(autouse=True)
+async def close_cubes():
+    """Every cube a test started is closed (its agent worker processes end)."""
+    yield
+    while OPEN_CUBES:
+        await OPEN_CUBES.pop().close()
+
+
 async def started(options, cube_id="agent"):
     if "tasks" in options:  # no evaluator: the agent's reward is the only one
         options = {"reward_source": "agent", **options}
+    if "agent" in options:
+        options = {"workers": 1, **options}
     cube = make_cube(cube_id, "openai-agent", options, seed=0)
     await cube.start()
+    OPEN_CUBES.append(cube)
     return cube
 
 
@@ -340,3 +355,31 @@ async def test_isolation_none_is_an_explicit_choice_logged_as_an_error(tmp_path)
     await cube.close()
     (entry,) = [e for e in logs if e["event"] == "agent.unisolated"]
     assert entry["log_level"] == "error" and entry["key"] == "options.isolation"
+
+
+# -- agents off the daemon's loop ----------------------------------------------------
+
+
+async def test_function_agents_run_in_worker_processes(gateway, tmp_path, monkeypatch):
+    monkeypatch.setenv("DAEMON_PID", str(os.getpid()))
+    cube = await started({"agent": f"{FIXTURES}:off_the_daemon", "tasks": tasks_file(tmp_path)})
+    _, result = await play(gateway, cube)
+    assert result.reward == 1.0
+
+
+async def test_an_agent_that_ignores_its_timeout_is_killed_with_its_worker(gateway, tmp_path):
+    """A blocking agent cannot be cancelled: CANCEL_GRACE_S after its timeout
+    its worker process is killed (with its process group) and replaced."""
+    from rlnode.cubes import agent_workers
+
+    cube = await started({"agent": f"{FIXTURES}:blocking_hang", "tasks": tasks_file(tmp_path), "timeout_s": 6})
+    (worker,) = cube.workers.workers
+    with pytest.raises(AgentFailed, match="timed out"):
+        await play(gateway, cube)
+    deadline = time.monotonic() + agent_workers.CANCEL_GRACE_S + 10
+    while worker.proc.is_alive() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert not worker.proc.is_alive() and cube.workers.restarts == 1
+    _, result = await play(gateway, await started({"agent": f"{FIXTURES}:returns_reward",
+                                                    "tasks": tasks_file(tmp_path)}), episode_id="g1/e0")
+    assert result.reward == 0.25

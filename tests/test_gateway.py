@@ -259,6 +259,7 @@ async def test_env_step_without_an_environment_is_404(gateway, tmp_path):
     async with gateway.session("ep-noenv", task) as s:
         async with httpx.AsyncClient(headers={"Authorization": f"Bearer {s.api_key}"}) as http:
             r = await http.post(s.endpoint.env_url + "/step", json={"text": "hi"})
+    await task.close(), await cube.close()
     assert r.status_code == 404 and r.json()["error"]["code"] == "no_environment"
 
 

@@ -31,6 +31,7 @@ from typing import Awaitable, Callable
 
 from rlnode.actor.episode import EpisodeResult, EpisodeSettings, check_reward, training_sample
 from rlnode.actor.gateway import Gateway, GatewaySession
+from rlnode.cubes.agent_workers import AgentWorkerError
 from rlnode.cubes.base import AgentTask, CubeError
 from rlnode.log import get_logger
 from rlnode.wire import TrainingSample
@@ -100,6 +101,8 @@ async def _drive(task: AgentTask, s: GatewaySession, payload: dict) -> float | N
         if s.terminated:  # the gateway ended the episode; the agent broke on the refusal
             log.info("agent.stopped_by_gateway", episode=s.episode_id, reason=s.terminated, error=repr(e))
             return None
+        if isinstance(e, AgentWorkerError):  # the agent's own failure, reported by its worker process
+            raise AgentFailed(str(e)) from e
         if isinstance(e, CubeError):
             raise
         raise AgentFailed(f"agent failed: {e!r}") from e

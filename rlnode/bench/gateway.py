@@ -18,16 +18,27 @@ call generates exactly ``max_tokens`` (ignore_eos) so tokens/s compare; how
 many calls an episode takes still depends on when a guess hits (reported).
 Modes alternate round by round so drift on a shared host hits both alike;
 the ratio is the median of the per-round ratios gateway / native.
+
+Where the time goes, per LLM call: the CPU of the daemon's process (the
+engine client, the agent loop or the gateway's HTTP serving, history
+matching and tokenizing), of the agent's worker processes (the agent's own
+code: the openai SDK building and parsing requests) and of the engine's
+processes is measured per round (process CPU time). ``overhead_ms_per_call``
+is the daemon CPU a gateway call costs beyond a native one: the gateway's
+own price. The agent's CPU is the user's program, which the native loop
+does not run; on a host with cores to spare it runs beside the engine, on a
+2-core host it competes with it (and the ratio shows that).
 """
 
 from __future__ import annotations
 
 import asyncio
 import importlib.util
+import os
 import statistics
 import time
 from pathlib import Path
-from typing import Awaitable, Callable, NamedTuple
+from typing import Awaitable, Callable
 
 import msgspec
 
@@ -55,19 +66,27 @@ class GatewayBenchResult(msgspec.Struct):
     calls_per_episode: float  # mean LLM calls per episode
     native_calls_per_episode: float
     history_resets: int  # gateway calls that did not extend their episode's history (must be 0)
+    daemon_ms_per_call: dict[str, float]  # per mode: daemon process CPU per LLM call (median of rounds)
+    agent_ms_per_call: float  # the agent's worker processes, CPU per gateway call
+    engine_ms_per_call: dict[str, float]  # per mode: the engine's processes, CPU per call
+    overhead_ms_per_call: float  # daemon CPU of a gateway call beyond a native one: the gateway's own cost
     episodes_per_round: int
     concurrency: int
     max_tokens: int
     rounds: int
     game: dict
     rounds_tokens_per_s: dict[str, list[float]]
+    raw_rounds: dict[str, list[RoundStats]] = {}
 
 
-class RoundStats(NamedTuple):
+class RoundStats(msgspec.Struct, array_like=True):
     wall_s: float
     tokens: int
     episodes: int
     calls: int
+    daemon_cpu_s: float = 0.0  # this process (event loop, HTTP, tokenizer)
+    agent_cpu_s: float = 0.0  # the agent's worker processes
+    engine_cpu_s: float = 0.0  # the engine's processes (core and workers)
 
 
 class Advertised(CubeTask):
@@ -106,19 +125,54 @@ def game_options(cfg: Config) -> dict:
     return next((dict(c.options) for c in cfg.actor.cubes if c.kind == "guessing"), dict(DEMO_GAME))
 
 
+def _cpu_s(pids: list[int]) -> float:
+    """CPU seconds (user + system) of live processes ``pids``, from /proc."""
+    tick, total = os.sysconf("SC_CLK_TCK"), 0.0
+    for pid in pids:
+        try:
+            fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
+def _engine_pids() -> list[int]:
+    """This process's descendants that are not agent workers: the engine."""
+    kids: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                ppid = int(open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            kids.setdefault(ppid, []).append(int(d))
+    out, todo = [], [os.getpid()]
+    while todo:
+        for k in kids.get(todo.pop(), []):
+            out.append(k)
+            todo.append(k)
+    return out
+
+
 async def play_round(play_one: Callable[[int], Awaitable[EpisodeResult]], episodes: int,
-                     concurrency: int) -> RoundStats:
+                     concurrency: int, agent_pids: Callable[[], list[int]] = lambda: []) -> RoundStats:
     sem = asyncio.Semaphore(concurrency)
 
     async def one(i: int) -> EpisodeResult:
         async with sem:
             return await play_one(i)
 
+    agents = agent_pids()
+    engine = [p for p in _engine_pids() if p not in agents]
+    cpu0 = (time.process_time(), _cpu_s(agents), _cpu_s(engine))
     t0 = time.perf_counter()
     results = await asyncio.gather(*(one(i) for i in range(episodes)))
     wall = time.perf_counter() - t0
+    cpu1 = (time.process_time(), _cpu_s(agents), _cpu_s(engine))
     tokens = sum(len(s.completion_ids) // 4 for r in results for s in r.samples)  # int32 ids
-    return RoundStats(wall, tokens, len(results), sum(len(r.samples) for r in results))
+    return RoundStats(wall, tokens, len(results), sum(len(r.samples) for r in results),
+                      *(b - a for a, b in zip(cpu0, cpu1)))
 
 
 async def compare(client: LLMClient, renderer: ChatRenderer, settings: EpisodeSettings, game: dict, seed: int,
@@ -127,7 +181,7 @@ async def compare(client: LLMClient, renderer: ChatRenderer, settings: EpisodeSe
     example = load_example()
     tools = [ToolSpec(**example.GUESS_TOOL["function"])]
     native_cube = make_cube("bench", "guessing", game, seed)
-    agent_cube = make_cube("bench", "openai-agent", {"agent": f"{EXAMPLE}:play",
+    agent_cube = make_cube("bench", "openai-agent", {"agent": f"{EXAMPLE}:play", "workers": 2,
                                                      "env": {"kind": "guessing", "options": game}}, seed)
     await native_cube.start(), await agent_cube.start()
     ids = await native_cube.task_ids("train")
@@ -146,14 +200,19 @@ async def compare(client: LLMClient, renderer: ChatRenderer, settings: EpisodeSe
 
                 return native if mode == "native" else agent
 
+            def agent_pids() -> list[int]:
+                return [w.proc.pid for w in agent_cube.workers.workers]
+
             for mode in MODES:  # warm-up, untimed
                 await play_round(player(mode, f"warm-{mode}"), concurrency, concurrency)
             for r in range(rounds):
                 for mode in (MODES if r % 2 == 0 else MODES[::-1]):
-                    st = await play_round(player(mode, f"r{r}-{mode}"), episodes, concurrency)
+                    st = await play_round(player(mode, f"r{r}-{mode}"), episodes, concurrency, agent_pids)
                     per_mode[mode].append(st)
                     log(f"  {mode:<7} round {r}: {st.episodes} episodes, {st.calls} calls, {st.tokens} tokens "
-                        f"in {st.wall_s:.2f}s = {st.tokens / st.wall_s:.0f} tok/s")
+                        f"in {st.wall_s:.2f}s = {st.tokens / st.wall_s:.0f} tok/s; CPU ms/call: daemon "
+                        f"{1e3 * st.daemon_cpu_s / st.calls:.2f}, agent {1e3 * st.agent_cpu_s / st.calls:.2f}, "
+                        f"engine {1e3 * st.engine_cpu_s / st.calls:.2f}")
     finally:
         await native_cube.close(), await agent_cube.close()
     return _result(per_mode, gateway.stats.history_resets, episodes, concurrency, settings, rounds, game)
@@ -164,14 +223,20 @@ def _result(per_mode: dict[str, list[RoundStats]], resets: int, episodes: int, c
     tok = {m: [s.tokens / s.wall_s for s in v] for m, v in per_mode.items()}
     eps = {m: statistics.median(s.episodes / s.wall_s for s in v) for m, v in per_mode.items()}
     calls = {m: sum(s.calls for s in v) / sum(s.episodes for s in v) for m, v in per_mode.items()}
+    daemon = {m: statistics.median(1e3 * s.daemon_cpu_s / s.calls for s in v) for m, v in per_mode.items()}
+    engine = {m: statistics.median(1e3 * s.engine_cpu_s / s.calls for s in v) for m, v in per_mode.items()}
     return GatewayBenchResult(
         tokens_per_s=statistics.median(tok["gateway"]),
         native_tokens_per_s=statistics.median(tok["native"]),
         ratio=statistics.median(g / n for g, n in zip(tok["gateway"], tok["native"])),
         episodes_per_s=eps["gateway"], native_episodes_per_s=eps["native"],
         calls_per_episode=calls["gateway"], native_calls_per_episode=calls["native"],
-        history_resets=resets, episodes_per_round=episodes, concurrency=concurrency,
+        history_resets=resets, daemon_ms_per_call=daemon,
+        agent_ms_per_call=statistics.median(1e3 * s.agent_cpu_s / s.calls for s in per_mode["gateway"]),
+        engine_ms_per_call=engine, overhead_ms_per_call=daemon["gateway"] - daemon["native"],
+        episodes_per_round=episodes, concurrency=concurrency,
         max_tokens=settings.sampling.max_tokens, rounds=rounds, game=game, rounds_tokens_per_s=tok,
+        raw_rounds=per_mode,
     )
 
 
@@ -209,3 +274,7 @@ def print_table(res: GatewayBenchResult) -> None:
         print(f"{name:<36}{tps:>10.0f}{eps:>12.2f}{calls:>10.2f}{rel:>11.3f}")
     print(f"ratio gateway/native = {res.ratio:.3f} (goal >= 0.9, median of paired rounds)   "
           f"history resets = {res.history_resets}")
+    d, e = res.daemon_ms_per_call, res.engine_ms_per_call
+    print(f"CPU ms per LLM call: daemon {d['native']:.2f} native / {d['gateway']:.2f} gateway "
+          f"(gateway overhead {res.overhead_ms_per_call:+.2f}); agent processes {res.agent_ms_per_call:.2f}; "
+          f"engine {e['native']:.2f} native / {e['gateway']:.2f} gateway")

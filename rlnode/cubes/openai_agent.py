@@ -5,8 +5,10 @@ OpenAI-compatible base URL valid for that episode only); every chat
 completion it asks for is a training sample. Two ways to run it:
 
 * ``agent = "my_pkg.agents:play"``: an async (or plain; it then runs in a
-  thread) function ``play(task, base_url, api_key) -> reward | None``,
-  awaited inside the actor daemon.
+  thread) function ``play(task, base_url, api_key) -> reward | None``, run
+  in ``workers`` worker processes (``agent_workers.py``): never on the
+  daemon's event loop, and killed with its worker when a cancelled episode
+  does not end.
 * ``command = ["python", "my_agent.py"]``: a process per episode, with
   ``OPENAI_BASE_URL``, ``OPENAI_API_KEY``, ``RLNODE_ENV_URL`` and
   ``RLNODE_MODEL`` in its environment and the task as JSON on stdin. A
@@ -39,11 +41,9 @@ import asyncio
 import hashlib
 import importlib
 import importlib.util
-import inspect
 import json
 import os
 import signal
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Annotated, Any, Callable, Literal
 
@@ -51,6 +51,7 @@ import msgspec
 from msgspec import Meta
 
 from rlnode.cubes import agent_sandbox
+from rlnode.cubes.agent_workers import AgentWorkers
 from rlnode.cubes.base import (Action, AgentEndpoint, AgentTask, Cube, CubeError, CubeTask, CubeTaskRef,
                                Evaluation, Reset, Split, StepResult, ToolSpec)
 from rlnode.log import get_logger
@@ -82,6 +83,10 @@ class OpenAIAgentOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=Tru
     test_fraction: Annotated[float, Meta(ge=0, lt=1)] = 0.1
     # Seconds one episode (the whole agent run) may take.
     timeout_s: Annotated[float, Meta(gt=0)] = 300.0
+    # Worker processes running a function agent (each runs many episodes at
+    # once on its own event loop): the agent's SDK work stays off the
+    # daemon's loop, which carries the engine's outputs and the gateway.
+    workers: Annotated[int, Meta(ge=1, le=256)] = 2
     # Who decides the reward: "evaluator" (the env cube's; the agent's
     # returned or posted reward is ignored) or "agent" (its posted, else
     # returned reward counts: the policy can then write its own reward
@@ -117,7 +122,7 @@ class OpenAIAgentCube(Cube):
                              'one: set options.reward_source = "agent"')
         self.cube_id, self.opts, self.seed = cube_id, options, seed
         self.inner: Cube | None = None
-        self.fn: Callable | None = None
+        self.workers: AgentWorkers | None = None
         self._rows: dict[str, dict[str, Any]] = {}
         self._split: dict[str, list[str]] = {"train": [], "test": []}
 
@@ -125,7 +130,12 @@ class OpenAIAgentCube(Cube):
         from rlnode.cubes.registry import make_cube
 
         if self.opts.agent:
-            self.fn = load_agent(self.opts.agent)
+            self.workers = AgentWorkers(self.opts.agent, self.opts.workers)
+            try:
+                await self.workers.start()
+            except BaseException:
+                await self.workers.close()
+                raise
         else:
             await agent_sandbox.check(self.opts.isolation, self.cube_id)
         if self.opts.env is not None:
@@ -162,6 +172,8 @@ class OpenAIAgentCube(Cube):
         return OpenAIAgentTask(ref, self, inner, self._rows.get(task_id))
 
     async def close(self) -> None:
+        if self.workers is not None:
+            await self.workers.close()
         if self.inner is not None:
             await self.inner.close()
 
@@ -202,8 +214,8 @@ class OpenAIAgentTask(AgentTask):
             await self.inner.close()
 
     async def run_agent(self, endpoint: AgentEndpoint, task: dict[str, Any]) -> float | None:
-        if self.cube.fn is not None:
-            return await call_agent(self.cube.fn, task, endpoint)
+        if self.cube.workers is not None:
+            return _reward(await self.cube.workers.run(task, endpoint.base_url, endpoint.api_key))
         return await run_command(self.cube.opts, task, endpoint)
 
 
@@ -228,22 +240,6 @@ def load_agent(ref: str) -> Callable:
     if not callable(fn):
         raise ValueError(f"agent {ref!r} is not callable")
     return fn
-
-
-# Blocking agents run here, not in the loop's default executor, which the
-# daemon's own blocking work (optimizer steps, weight pushes, file writes)
-# shares: a slow or hung agent must not starve it. Bounded: a burst of
-# episodes queues here instead of spawning a thread each.
-AGENT_THREADS = ThreadPoolExecutor(max_workers=16, thread_name_prefix="rlnode-agent")
-
-
-async def call_agent(fn: Callable, task: dict[str, Any], endpoint: AgentEndpoint) -> float | None:
-    if inspect.iscoroutinefunction(fn):
-        out = await fn(task, endpoint.base_url, endpoint.api_key)
-    else:  # a blocking agent runs in a thread, off the event loop
-        out = await asyncio.get_running_loop().run_in_executor(
-            AGENT_THREADS, fn, task, endpoint.base_url, endpoint.api_key)
-    return _reward(out)
 
 
 def _reward(out: Any) -> float | None:
