@@ -162,6 +162,13 @@ def _load(args) -> "Config":  # noqa: F821
 
 
 def main(argv: list[str] | None = None) -> int:
+    import os
+
+    # Models come from local paths only: a missing path must fail at once,
+    # not turn into five retried requests to the model hub (measured: a
+    # relative model.path from another directory did) that block a node
+    # without network for a minute. Children (the engine) inherit it.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     parser = build_parser()
     args = parser.parse_args(argv)
     from rlnode.log import setup_logging

@@ -16,7 +16,7 @@ import signal
 import sys
 from typing import Protocol
 
-from rlnode.config import Config
+from rlnode.config import Config, ConfigError
 from rlnode.log import bind_context, get_logger
 
 log = get_logger("rlnode.daemon")
@@ -85,6 +85,9 @@ class Lifecycle:
                 code = await self._supervise(runs)
         except _Stopped:
             log.info("stopped during startup")
+        except ConfigError as e:  # a cube refused its options at start: one line naming the key
+            log.error("config_error", error=str(e))
+            code = EXIT_USAGE
         except Exception:
             log.exception("fatal")
             code = EXIT_FATAL

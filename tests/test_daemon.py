@@ -21,3 +21,37 @@ def test_bad_config_exits_2_naming_the_key(tmp_path):
     )
     assert r.returncode == 2
     assert "actor.router.llm_max_rollouts" in r.stderr and "expected `int` >= 1" in r.stderr
+
+
+async def test_a_role_whose_cube_refuses_its_options_exits_2_with_one_line():
+    """A ConfigError at a role's start (a cube that cannot run its options:
+    an agent that cannot be loaded, isolation that cannot run, a verifiers
+    runtime that needs credentials) is a usage error: exit 2 and one log line
+    naming the key, not a "fatal" traceback; roles already started are shut
+    down."""
+    import structlog
+
+    from rlnode.config import ConfigError
+    from rlnode.daemon import EXIT_USAGE, Lifecycle
+
+    class Role:
+        def __init__(self, name, fail=False):
+            self.name, self.fail, self.shut = name, fail, False
+
+        async def start(self):
+            if self.fail:
+                raise ConfigError("cube 'agent': options.isolation = \"bwrap\" cannot run agents here")
+
+        async def run(self, stop):
+            await stop.wait()
+
+        async def shutdown(self):
+            self.shut = True
+
+    first, second = Role("trainer"), Role("actor", fail=True)
+    with structlog.testing.capture_logs() as logs:
+        code = await Lifecycle([first, second]).main()
+    assert code == EXIT_USAGE and first.shut
+    (entry,) = [e for e in logs if e["event"] == "config_error"]
+    assert "options.isolation" in entry["error"] and "exc_info" not in entry
+    assert not [e for e in logs if e["event"] == "fatal"]

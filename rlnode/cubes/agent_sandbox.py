@@ -35,6 +35,7 @@ import sys
 import tempfile
 from urllib.parse import urlsplit, urlunsplit
 
+from rlnode.config import ConfigError
 from rlnode.cubes import isolation
 from rlnode.log import get_logger
 
@@ -193,6 +194,6 @@ async def check(requested: str, cube_id: str) -> None:
         return
     if not await isolation.works("bwrap", sys.executable):
         why = isolation._why.get(("bwrap", sys.executable), "bwrap does not run here")
-        raise ValueError(f"cube {cube_id!r}: options.isolation = \"bwrap\" cannot run agents here ({why}): "
+        raise ConfigError(f"cube {cube_id!r}: options.isolation = \"bwrap\" cannot run agents here ({why}): "
                          "install bubblewrap (apt-get install bubblewrap), or set options.isolation = \"none\" "
                          "to run them as the daemon's user")

@@ -32,6 +32,7 @@ import os
 import signal
 from typing import Any
 
+from rlnode.config import ConfigError
 from rlnode.cubes.base import CubeError
 from rlnode.log import get_logger
 
@@ -164,7 +165,7 @@ class AgentWorkers:
         if msg[0] == "ready":
             w.ready.set_result(None)
         elif msg[0] == "load_error":
-            w.ready.set_exception(ValueError(f"agent {self.ref!r}: {msg[1]}"))
+            w.ready.set_exception(ConfigError(f"agent {self.ref!r}: {msg[1]}"))
         else:
             fut = w.pending.pop(msg[1], None)
             if fut is not None and not fut.done():
