@@ -431,11 +431,12 @@ def test_a_verifiers_environment_trains_end_to_end(vf, tmp_path):
     records = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     step_records = [x for x in records if "step" in x]
     assert len(step_records) == steps, records
+    events = [json.loads(l) for l in r.stderr.splitlines() if l.startswith("{")]
+    pushes = [e for e in events if e["event"].startswith(("weights.", "link.peer", "actor.connected"))]
     for x in step_records:
         # 2 whole groups of 4 episodes, each 1..3 LLM calls (one sample each).
         assert x["groups"] == 2 and x["dropped_stale"] == 0, x
-        assert 8 <= x["samples"] <= 24 and x["weights_pushed"], x
-    events = [json.loads(l) for l in r.stderr.splitlines() if l.startswith("{")]
+        assert 8 <= x["samples"] <= 24 and x["weights_pushed"], (x, pushes)
     assert not [e for e in events if e.get("level") == "error"]
     # The actor's own count at shutdown: every episode played, none failed.
     (stopped,) = [e for e in events if e["event"] == "actor.stopped"]

@@ -139,23 +139,29 @@ def _setpriv_bin() -> str | None:
     return shutil.which("setpriv")
 
 
-def bwrap_prefix(real_exe: str, workdir: str, env: dict[str, str], tmp_bytes: int) -> list[str]:
-    """bwrap argv for one run; ``workdir`` is the path inside, on the tmpfs."""
+def _bwrap_head(root: bool, env: dict[str, str]) -> list[str]:
+    """bwrap, its namespaces, the environment and the system's read-only
+    view: what snippets and agent commands share."""
     bwrap = _bwrap_bin()
     if bwrap is None:
         raise SandboxUnavailable("bwrap not found")
     args = [bwrap, "--die-with-parent", "--new-session", "--clearenv"]
-    root = os.geteuid() == 0
     if root:
-        # Privileged bwrap, no user namespace: setpriv below moves the
-        # snippet to an unprivileged kernel uid, where RLIMIT_NPROC holds.
+        # Privileged bwrap, no user namespace: setpriv (_drop_privileges)
+        # moves the child to an unprivileged kernel uid, where RLIMIT_NPROC holds.
         args += ["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
                  "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
     else:
         args += ["--unshare-all", "--uid", str(NOBODY), "--gid", str(NOBODY)]
     for k, v in env.items():
         args += ["--setenv", k, v]
-    args += _system_binds()
+    return args + _system_binds()
+
+
+def bwrap_prefix(real_exe: str, workdir: str, env: dict[str, str], tmp_bytes: int) -> list[str]:
+    """bwrap argv for one run; ``workdir`` is the path inside, on the tmpfs."""
+    root = os.geteuid() == 0
+    args = _bwrap_head(root, env)
     show, hide = _python_dirs(real_exe)
     args += _ro_binds(show)
     for d in hide:
@@ -204,19 +210,8 @@ def agent_prefix(env: dict[str, str], ro_paths: list[str], chdir: str, tmp_bytes
     fresh unprivileged uid, but with the Python installation whole (an
     agent imports its SDKs) and ``ro_paths`` (the agent's own files, the
     gateway relay's socket) read-only. Writable: a size-bounded /tmp."""
-    bwrap = _bwrap_bin()
-    if bwrap is None:
-        raise SandboxUnavailable("bwrap not found")
     root = os.geteuid() == 0
-    args = [bwrap, "--die-with-parent", "--new-session", "--clearenv"]
-    if root:
-        args += ["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
-                 "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
-    else:
-        args += ["--unshare-all", "--uid", str(NOBODY), "--gid", str(NOBODY)]
-    for k, v in env.items():
-        args += ["--setenv", k, v]
-    args += _system_binds()
+    args = _bwrap_head(root, env)
     # The private /tmp first: shown paths under the host's /tmp (the gateway
     # relay's socket) are bound over it, not hidden by it.
     args += ["--proc", "/proc", "--dev", "/dev", "--size", str(tmp_bytes), "--perms", "1777", "--tmpfs", "/tmp"]
