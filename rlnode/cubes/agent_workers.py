@@ -26,11 +26,14 @@ Protocol (pickled tuples over a ``multiprocessing`` pipe):
 from __future__ import annotations
 
 import asyncio
+import importlib
+import importlib.util
 import itertools
 import multiprocessing
 import os
 import signal
-from typing import Any
+from pathlib import Path
+from typing import Any, Callable
 
 from rlnode.config import ConfigError
 from rlnode.cubes.base import CubeError
@@ -53,8 +56,6 @@ def _worker_main(conn, ref: str) -> None:  # pragma: no cover - runs in the chil
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the daemon decides when workers end
     import inspect
     from concurrent.futures import ThreadPoolExecutor
-
-    from rlnode.cubes.openai_agent import load_agent
 
     try:
         fn = load_agent(ref)
@@ -106,6 +107,29 @@ def _worker_main(conn, ref: str) -> None:  # pragma: no cover - runs in the chil
     conn.send(("ready",))
     loop.run_until_complete(stopped)
     os._exit(0)  # threads of blocking agents may still run: the process ends regardless
+
+
+def load_agent(ref: str) -> Callable:
+    """``module:function`` (importable) or ``path/to/file.py:function``."""
+    target, sep, attr = ref.rpartition(":")
+    if not sep or not target or not attr:
+        raise ValueError(f"agent {ref!r}: expected 'module:function' or 'path/to/file.py:function'")
+    try:
+        if target.endswith(".py"):
+            path = Path(target).resolve()
+            spec = importlib.util.spec_from_file_location(f"rlnode_agent_{path.stem}", path)
+            if spec is None or not path.is_file():
+                raise ImportError(f"no file {path}")
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(target)
+        fn = getattr(module, attr)
+    except (ImportError, AttributeError, OSError) as e:
+        raise ValueError(f"agent {ref!r}: {e}") from e
+    if not callable(fn):
+        raise ValueError(f"agent {ref!r} is not callable")
+    return fn
 
 
 class _Worker:

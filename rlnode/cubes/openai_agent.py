@@ -39,13 +39,11 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import importlib
-import importlib.util
 import json
 import os
 import signal
 from pathlib import Path
-from typing import Annotated, Any, Callable, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
@@ -217,29 +215,6 @@ class OpenAIAgentTask(AgentTask):
         if self.cube.workers is not None:
             return _reward(await self.cube.workers.run(task, endpoint.base_url, endpoint.api_key))
         return await run_command(self.cube.opts, task, endpoint)
-
-
-def load_agent(ref: str) -> Callable:
-    """``module:function`` (importable) or ``path/to/file.py:function``."""
-    target, sep, attr = ref.rpartition(":")
-    if not sep or not target or not attr:
-        raise ValueError(f"agent {ref!r}: expected 'module:function' or 'path/to/file.py:function'")
-    try:
-        if target.endswith(".py"):
-            path = Path(target).resolve()
-            spec = importlib.util.spec_from_file_location(f"rlnode_agent_{path.stem}", path)
-            if spec is None or not path.is_file():
-                raise ImportError(f"no file {path}")
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(target)
-        fn = getattr(module, attr)
-    except (ImportError, AttributeError, OSError) as e:
-        raise ValueError(f"agent {ref!r}: {e}") from e
-    if not callable(fn):
-        raise ValueError(f"agent {ref!r} is not callable")
-    return fn
 
 
 def _reward(out: Any) -> float | None:
