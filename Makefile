@@ -51,6 +51,7 @@ cpu-only:
 	@if [ "$(EXTRA)" != cpu ]; then echo "make test runs on CPU (EXTRA=cpu); on a GPU host run: make EXTRA=gpu gpu-check" >&2; exit 2; fi
 
 test: cpu-only setup test-deps
+	$(BIN)/lint-imports --no-cache --no-logo
 	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=30 tests
 
 # The terminal shows a progress line per step and the final table;

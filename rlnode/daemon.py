@@ -153,40 +153,6 @@ class Lifecycle:
         return code
 
 
-async def run_until_stopped(jobs: list[asyncio.Task], stop: asyncio.Event) -> None:
-    """A role's run(): serve until ``stop`` is set or one job ends (a job that
-    ends on its own with an error raises it here); then cancel the rest."""
-    stopping = asyncio.create_task(stop.wait())
-    try:
-        done, _ = await asyncio.wait([stopping, *jobs], return_when=asyncio.FIRST_COMPLETED)
-        for t in done:
-            if t is not stopping:
-                t.result()
-    finally:
-        stopping.cancel()
-        for t in jobs:
-            t.cancel()
-        await asyncio.gather(*jobs, return_exceptions=True)
-
-
-def spawn(tasks: set[asyncio.Task], coro) -> asyncio.Task:
-    """Start a background task and keep a reference to it until it ends (the
-    event loop holds only weak references: an unreferenced task can be
-    garbage-collected mid-flight). A task that ends with an exception is
-    logged (``task.failed``): nobody awaits these tasks, so otherwise the
-    error would surface only as asyncio's "never retrieved" at exit."""
-    t = asyncio.create_task(coro)
-    tasks.add(t)
-    t.add_done_callback(tasks.discard)
-    t.add_done_callback(_log_failure)
-    return t
-
-
-def _log_failure(t: asyncio.Task) -> None:
-    if not t.cancelled() and (e := t.exception()) is not None:
-        log.error("task.failed", task=t.get_name(), error=repr(e)[:500], exc_info=e)
-
-
 class _Stopped(Exception):
     pass
 

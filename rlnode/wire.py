@@ -12,15 +12,8 @@ creating thousands of Python objects.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 import msgspec
-
-from rlnode.actor.router import LeaseMetadata
-
-if TYPE_CHECKING:  # scheduler imports this module (via episode): no runtime cycle
-    from rlnode.actor.scheduler import Group
 
 
 def pack_i32(values) -> bytes:
@@ -47,6 +40,19 @@ def span_version(label: str) -> int | None:
 
 def unpack_f32(buf: bytes) -> np.ndarray:
     return np.frombuffer(buf, dtype="<f4")
+
+
+class LeaseMetadata(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Travels with every training sample (router -> episode -> trainer)."""
+
+    route_id: int
+    engine_id: int
+    lease_wait_s: float  # time from asking for a permit to getting one
+    llm_latency_s: float  # time the generation held the permit
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    started_at: float = 0.0  # wall clock (time.time()) when the permit was granted
+    finished_at: float = 0.0  # wall clock when the permit was released
 
 
 class TrainingSample(msgspec.Struct, array_like=True, omit_defaults=True, tag="sample"):
@@ -289,19 +295,3 @@ class ControlRequest(_Msg, tag="creq"):
 
 ToTrainer = Register | Heartbeat | GroupDelivery | CommitQuery | ControlReply | EvalReport | CreditReport
 ToActor = Welcome | Ack | Commit | Reject | Heartbeat | VersionUpdate | ControlRequest | CreditGrant
-
-
-def group_to_delivery(group: Group, node_id: str) -> GroupDelivery:
-    """Flatten a scheduler ``Group`` into the message the link sends.
-    Samples keep their order: episode by episode, LLM call by LLM call."""
-    return GroupDelivery(
-        group_id=group.group_id,
-        node_id=node_id,
-        cube_id=group.ref.cube_id,
-        task_id=group.ref.task_id,
-        start_version=group.start_version,
-        episodes=[EpisodeSummary(e.episode_id, e.reward, e.success, e.num_turns, e.termination_reason)
-                  for e in group.episodes],
-        samples=[s for e in group.episodes for s in e.samples],
-        credit_session=group.credit_session,
-    )

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from rlnode.actor import engine_guard
-from rlnode.weight_plan import GroupMember, GroupSpec, WeightComm, indexed_device
+from rlnode.weight_plan import GroupMember, GroupSpec, indexed_device
+from rlnode.weight_comm import WeightComm
 
 REPO = Path(__file__).resolve().parent.parent
 

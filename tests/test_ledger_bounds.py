@@ -24,14 +24,14 @@ from rlnode.actor.episode import EpisodeResult
 from rlnode.actor.scheduler import Group, RolloutScheduler, VersionSource
 from rlnode.config import ConfigError, LinkConfig, SchedulerConfig, load_config, max_group_bytes
 from rlnode.cubes.base import CubeTaskRef
-from rlnode.daemon import spawn
+from rlnode.aio import spawn
 from rlnode.link import ActorLink, LinkFatalError, TrainerLink
 from rlnode.link.credits import MAX_WANT, CreditLedger
 from rlnode.link.trainer_link import MAX_RANKS_PER_NODE
+from rlnode.actor.scheduler import group_to_delivery
 from rlnode.wire import (
     REJECT_INVALID_GROUP, REJECT_PROTOCOL, CreditReport, EngineInfo, GroupDelivery, Register, Reject, ToActor,
-    Welcome, group_to_delivery,
-)
+    Welcome, )
 
 from test_credits import group
 from test_link import ANY_PORT, ENC, sample, until

@@ -19,10 +19,11 @@ from rlnode.actor.scheduler import Group
 from rlnode.config import LinkConfig
 from rlnode.cubes.base import CubeTaskRef
 from rlnode.link import ActorLink, LinkFatalError, PeerEvent, TrainerLink, keygen
+from rlnode.actor.scheduler import group_to_delivery
 from rlnode.wire import (
     REJECT_MALFORMED, REJECT_REGISTER_FIRST, Ack, Commit, ControlReply,
     ControlRequest, EngineInfo, EvalReport, GroupDelivery, Heartbeat, Register, Reject, ToActor, ToTrainer,
-    TrainingSample, VersionUpdate, Welcome, group_to_delivery, pack_f32, pack_i32,
+    TrainingSample, VersionUpdate, Welcome, pack_f32, pack_i32,
 )
 
 ANY_PORT = "tcp://127.0.0.1:*"

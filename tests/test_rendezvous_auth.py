@@ -28,7 +28,8 @@ from rlnode.rendezvous import (
     unique_id_group,
 )
 from rlnode.trainer.weights import WeightBroadcaster
-from rlnode.weight_plan import GroupMember, GroupSpec, WeightComm, decode_spec, encode
+from rlnode.weight_plan import GroupMember, GroupSpec, decode_spec, encode
+from rlnode.weight_comm import WeightComm
 
 pytestmark = pytest.mark.timeout(60)
 T = timedelta(seconds=20)

@@ -20,7 +20,8 @@ import torch.distributed as dist
 
 from rlnode.rendezvous import new_secret
 from rlnode.store_gate import MAX_CONN_BYTES, GateProcess
-from rlnode.weight_plan import GroupMember, GroupSpec, WeightComm
+from rlnode.weight_plan import GroupMember, GroupSpec
+from rlnode.weight_comm import WeightComm
 
 pytestmark = pytest.mark.timeout(60)
 T = timedelta(seconds=10)

@@ -27,7 +27,8 @@ from rlnode.link import ActorLink, TrainerLink
 from rlnode.trainer.sync import WeightPusher
 from rlnode.trainer.weights import EnginePlace, WeightBroadcaster, WeightGuard, resolve_backend, update_tensors
 from rlnode.weight_ipc import IpcHandle, host_identity, visible_gpus
-from rlnode.weight_plan import PlanMismatch, WeightComm, agree_on_plan, decode_plan, encode, keep_stdout, unpack_bucket
+from rlnode.weight_plan import PlanMismatch, decode_plan, encode, unpack_bucket
+from rlnode.weight_comm import WeightComm, agree_on_plan, keep_stdout
 from rlnode.wire import EngineInfo, Register
 
 # Three GPUs of one machine, as NVML spells them; the trainer's in torch's

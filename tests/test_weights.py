@@ -27,17 +27,15 @@ from rlnode.weight_plan import (
     GroupSpec,
     PlanMismatch,
     TransferError,
-    WeightComm,
     WeightUpdatePlan,
-    agree_on_plan,
     decode_plan,
     decode_spec,
     encode,
-    keep_stdout,
     pack_bucket,
     plan_buckets,
     unpack_bucket,
 )
+from rlnode.weight_comm import WeightComm, agree_on_plan, keep_stdout
 
 
 def _sync_cfg(bucket_mb: int = 1) -> WeightSyncConfig:

@@ -28,7 +28,7 @@ from rlnode.actor.generation import LLMClient
 from rlnode.actor.router import AdmissionRouter
 from rlnode.actor.scheduler import Group, RolloutScheduler, VersionSource
 from rlnode.config import Config, effective_max_lag, groups_in_flight
-from rlnode.daemon import run_until_stopped, spawn
+from rlnode.aio import run_until_stopped, spawn
 from rlnode.cubes.base import Cube
 from rlnode.log import get_logger, set_version
 
@@ -70,7 +70,7 @@ class _LinkSink:
         self.last_at = time.monotonic()  # monotonic time the link last took a group (or start)
 
     async def put(self, group: Group) -> None:
-        from rlnode.wire import group_to_delivery
+        from rlnode.actor.scheduler import group_to_delivery
 
         if self.link.submit(group_to_delivery(group, self.node_id)):
             self.submitted += 1

@@ -28,18 +28,7 @@ from typing import AsyncIterator
 
 import msgspec
 
-
-class LeaseMetadata(msgspec.Struct, array_like=True, omit_defaults=True):
-    """Travels with every training sample (router -> episode -> trainer)."""
-
-    route_id: int
-    engine_id: int
-    lease_wait_s: float  # time from asking for a permit to getting one
-    llm_latency_s: float  # time the generation held the permit
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    started_at: float = 0.0  # wall clock (time.time()) when the permit was granted
-    finished_at: float = 0.0  # wall clock when the permit was released
+from rlnode.wire import LeaseMetadata  # the lease's record travels in every sample
 
 
 @dataclass(eq=False)

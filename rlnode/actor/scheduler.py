@@ -29,9 +29,10 @@ import msgspec
 from rlnode.actor.episode import ChatRenderer, EpisodeResult, EpisodeSettings, request_seed, run_episode
 from rlnode.actor.generation import LLMClient
 from rlnode.config import SchedulerConfig
-from rlnode.daemon import spawn
+from rlnode.aio import spawn
 from rlnode.cubes.base import AgentTask, Cube, CubeTaskRef
 from rlnode.log import get_logger
+from rlnode.wire import EpisodeSummary, GroupDelivery
 
 log = get_logger("rlnode.scheduler")
 
@@ -386,3 +387,19 @@ class RolloutScheduler:
         report = EvalReport(version, {cid: s.summary() for cid, s in stats.items()})
         log.info("eval.done", version=version, **{f"{c}_success": round(s.success_rate, 3) for c, s in stats.items()})
         return report
+
+
+def group_to_delivery(group: Group, node_id: str) -> GroupDelivery:
+    """Flatten a scheduler ``Group`` into the message the link sends.
+    Samples keep their order: episode by episode, LLM call by LLM call."""
+    return GroupDelivery(
+        group_id=group.group_id,
+        node_id=node_id,
+        cube_id=group.ref.cube_id,
+        task_id=group.ref.task_id,
+        start_version=group.start_version,
+        episodes=[EpisodeSummary(e.episode_id, e.reward, e.success, e.num_turns, e.termination_reason)
+                  for e in group.episodes],
+        samples=[s for e in group.episodes for s in e.samples],
+        credit_session=group.credit_session,
+    )

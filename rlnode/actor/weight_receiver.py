@@ -59,15 +59,14 @@ from rlnode.weight_plan import (
     LoadError,
     PlanMismatch,
     TransferError,
-    WeightComm,
     WeightUpdateError,
     WeightUpdatePlan,
-    agree_on_plan,
     decode_plan,
     decode_spec,
     encode,
     unpack_bucket,
 )
+from rlnode.weight_comm import WeightComm, agree_on_plan
 
 if TYPE_CHECKING:
     import torch

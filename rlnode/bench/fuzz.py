@@ -32,7 +32,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from rlnode.actor.router import LeaseMetadata
+from rlnode.wire import LeaseMetadata
 from rlnode.link import validate as V
 from rlnode.link.validate import GroupLimits, validate_group
 from rlnode.wire import (

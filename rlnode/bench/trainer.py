@@ -34,7 +34,7 @@ import msgspec
 import numpy as np
 import torch
 
-from rlnode.actor.router import LeaseMetadata
+from rlnode.wire import LeaseMetadata
 from rlnode.config import Config
 from rlnode.trainer.buffer import Batch
 from rlnode.wire import TrainingSample, pack_f32, pack_i32

@@ -35,7 +35,7 @@ from typing import Callable
 import msgspec
 import numpy as np
 
-from rlnode.actor.router import LeaseMetadata
+from rlnode.wire import LeaseMetadata
 from rlnode.config import LinkConfig
 from rlnode.wire import EpisodeSummary, GroupDelivery, TrainingSample
 

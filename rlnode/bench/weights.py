@@ -51,7 +51,8 @@ from rlnode.config import Config, EngineConfig, load_config
 from rlnode.rendezvous import new_secret
 from rlnode.trainer.weights import WeightBroadcaster, update_tensors
 from rlnode.weight_ipc import host_identity
-from rlnode.weight_plan import GroupMember, GroupSpec, WeightComm, WeightUpdatePlan, keep_stdout
+from rlnode.weight_plan import GroupMember, GroupSpec, WeightUpdatePlan
+from rlnode.weight_comm import WeightComm, keep_stdout
 
 # (layers, hidden) of the models the benchmark can build for itself.
 BENCH_SIZES = {"tiny": (2, 128), "100m": (20, 768)}

@@ -22,7 +22,8 @@ import zmq
 import zmq.asyncio
 
 from rlnode.config import LinkConfig
-from rlnode.link import LinkError, LinkFatalError, curve, send_nowait
+from rlnode.link import curve
+from rlnode.link.base import LinkError, LinkFatalError, send_nowait
 from rlnode.log import get_logger
 from rlnode import wire
 from rlnode.wire import (

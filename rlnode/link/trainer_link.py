@@ -25,7 +25,8 @@ from zmq.auth.asyncio import AsyncioAuthenticator
 from zmq.utils import z85
 
 from rlnode.config import LinkConfig
-from rlnode.link import LinkError, PeerGone, curve, send_nowait
+from rlnode.link import curve
+from rlnode.link.base import LinkError, PeerGone, send_nowait
 from rlnode.link.validate import GroupLimits, validate_group
 from rlnode.log import get_logger
 from rlnode.wire import (

@@ -28,7 +28,7 @@ from pathlib import Path
 import msgspec
 
 from rlnode.config import Config, effective_max_lag
-from rlnode.daemon import run_until_stopped
+from rlnode.aio import run_until_stopped
 from rlnode.log import get_logger, set_version
 from rlnode.ops.netaddr import resolve_advertise_host
 from rlnode.trainer.buffer import GroupBuffer

@@ -262,7 +262,7 @@ class RankLearner:
         self.params = dict(self.learner.model.named_parameters())
         self.sync = _PassSync(self)
         from rlnode.wire import pack_f32, pack_i32
-        from rlnode.actor.router import LeaseMetadata
+        from rlnode.wire import LeaseMetadata
 
         self.dummy_sample = TrainingSample(
             "dummy/0", "dummy", "dummy/e", "-", "-", 0, pack_i32([0]), pack_i32([0]), pack_f32([0.0]),

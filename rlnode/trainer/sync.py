@@ -39,7 +39,7 @@ import base64
 import contextlib
 import time
 
-from rlnode.link import LinkError
+from rlnode.link.base import LinkError
 from rlnode.link.trainer_link import TrainerLink
 from rlnode.log import get_logger
 from rlnode.trainer.weights import BroadcastStats, WeightBroadcaster, WeightGuard, update_tensors

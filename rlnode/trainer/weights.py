@@ -45,13 +45,12 @@ from rlnode.weight_plan import (
     GroupSpec,
     PlanMismatch,
     TransferError,
-    WeightComm,
     WeightUpdatePlan,
-    agree_on_plan,
     dtype_name,
     pack_bucket,
     plan_buckets,
 )
+from rlnode.weight_comm import WeightComm, agree_on_plan
 
 if TYPE_CHECKING:
     import torch

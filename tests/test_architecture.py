@@ -1,0 +1,72 @@
+"""The architecture holds: the layer and independence contracts of
+``.importlinter`` are kept (``make test`` also runs ``lint-imports``), and
+no module of ``rlnode/`` takes part in an import cycle, lazy imports inside
+functions included (a cycle makes one part impossible to import, change or
+test without the others)."""
+
+from pathlib import Path
+
+import grimp
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def import_cycles(graph) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+    counter = 0
+
+    def visit(v: str) -> None:
+        nonlocal counter
+        index[v] = low[v] = counter
+        counter += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph.find_modules_directly_imported_by(v):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            scc = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                scc.append(w)
+                if w == v:
+                    break
+            if len(scc) > 1:
+                out.append(sorted(scc))
+
+    for m in sorted(graph.modules):
+        if m not in index:
+            visit(m)
+    return out
+
+
+def test_no_module_is_in_an_import_cycle():
+    graph = grimp.build_graph("rlnode", include_external_packages=False)
+    assert import_cycles(graph) == []
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    graph = grimp.ImportGraph()
+    for m in ("a", "b", "c", "d"):
+        graph.add_module(m)
+    graph.add_import(importer="a", imported="b")
+    graph.add_import(importer="b", imported="c")
+    graph.add_import(importer="c", imported="a")
+    graph.add_import(importer="c", imported="d")
+    assert import_cycles(graph) == [["a", "b", "c"]]
+
+
+def test_the_import_contracts_are_kept(monkeypatch):
+    from importlinter.cli import lint_imports
+
+    monkeypatch.chdir(ROOT)
+    assert lint_imports(config_filename=str(ROOT / ".importlinter"), no_cache=True, no_logo=True) == 0
