@@ -118,7 +118,7 @@ class CubeTask(abc.ABC):
 
 class AgentEndpoint(msgspec.Struct):
     """Where an external agent reaches the policy and its environment for
-    one episode (served by the actor's gateway, ``rlnode/actor/gateway.py``).
+    one episode (served by the actor's gateway, ``rlnode/actor/gateway/``).
     Valid only while the episode runs."""
 
     base_url: str  # OpenAI-compatible base URL: http://HOST:PORT/episodes/TOKEN/v1

@@ -14,7 +14,7 @@ the episode's reward.
 Token parity needs nothing from this module: the interception relays the
 harness's chat request as it is (model and sampling overridden), and a chat
 harness re-sends the assistant messages it got back, which the gateway
-extends token for token (``rlnode/actor/gateway.py``).
+extends token for token (``rlnode/actor/gateway/``).
 
 Loading. ``env`` is a taskset id, as ``vf-eval`` takes it: an installed
 package (``wordle``, ``owner/name@1.0``, a built-in such as ``textarena``)

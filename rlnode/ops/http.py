@@ -49,7 +49,7 @@ Sample = tuple[str, str, str, dict[str, str], float]
 
 
 OPEN_PATHS = frozenset({"/healthz"})  # probes (load balancers, systemd) carry no token
-# The actor's gateway (rlnode/actor/gateway.py): each episode's URL holds an
+# The actor's gateway (rlnode/actor/gateway/): each episode's URL holds an
 # unguessable token and its requests a per-episode key; the ops token is not
 # handed to agents.
 EPISODE_PREFIX = "/episodes/"

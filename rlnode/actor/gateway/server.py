@@ -1,0 +1,292 @@
+"""``Gateway``: the routes, per-episode sessions and the request handlers:
+validate a chat request, build its prompt in tokens, take one leased engine
+call, answer (or stream, ``stream.py``); the environment routes answer
+from the episode's cube task."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+from typing import Any, AsyncIterator, Callable
+
+import msgspec
+from aiohttp import web
+
+from rlnode.actor.engine import EngineError, SamplingSettings
+from rlnode.actor.episode import ChatRenderer, EpisodeSettings, request_seed
+from rlnode.actor.gateway.api import (
+    MAX_REQUEST_BYTES, TOKENIZE_INLINE_CHARS, ChatRequest, EnvReward, EnvStep, GatewayError, dumps, openai_message,
+    read_body, split_tool_calls, template_message, usage,
+)
+from rlnode.actor.gateway.session import GatewaySession, GatewayStats, ServedCall
+from rlnode.actor.gateway.stream import stream_completion
+from rlnode.actor.generation import Generation, LLMClient
+from rlnode.cubes.base import Action, CubeTask, ToolCall
+from rlnode.log import get_logger
+from rlnode.ops.netaddr import local_url_host
+
+log = get_logger("rlnode.gateway")
+
+
+
+class Gateway:
+    def __init__(self, client: LLMClient, renderer: ChatRenderer, settings: EpisodeSettings,
+                 model_name: str = "rlnode"):
+        self.client, self.renderer, self.settings = client, renderer, settings
+        self.model_name = model_name
+        self.url = ""  # http://HOST:PORT of whoever serves the routes (set by serve() or the daemon)
+        self.sessions: dict[str, GatewaySession] = {}
+        self.stats = GatewayStats()
+
+    # -- serving ------------------------------------------------------------
+
+    def add_routes(self, app: web.Application) -> None:
+        app.router.add_get("/episodes/{token}/v1/models", self._models)
+        app.router.add_post("/episodes/{token}/v1/chat/completions", self._chat)
+        app.router.add_get("/episodes/{token}/env/tools", self._env_tools)
+        app.router.add_post("/episodes/{token}/env/step", self._env_step)
+        app.router.add_post("/episodes/{token}/env/reward", self._env_reward)
+
+    @contextlib.asynccontextmanager
+    async def serve(self, host: str = "127.0.0.1", port: int = 0) -> AsyncIterator["Gateway"]:
+        """Serve on a site of its own (an actor without its ops endpoint,
+        tests, benchmarks)."""
+        app = web.Application(client_max_size=MAX_REQUEST_BYTES)
+        self.add_routes(app)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        try:
+            site = web.TCPSite(runner, host, port)
+            await site.start()
+            bound = site._server.sockets[0].getsockname()
+            self.url = f"http://{local_url_host(host)}:{bound[1]}"
+            yield self
+        finally:
+            await runner.cleanup()
+
+    @contextlib.asynccontextmanager
+    async def session(self, episode_id: str, task: CubeTask | None = None, settings: EpisodeSettings | None = None,
+                      policy_version: Callable[[], int] = lambda: 0) -> AsyncIterator[GatewaySession]:
+        if not self.url:
+            raise RuntimeError("the gateway is not served (Gateway.serve or the actor's HTTP endpoint)")
+        s = GatewaySession(self, episode_id, task, settings or self.settings, policy_version)
+        self.sessions[s.token] = s
+        self.stats.sessions += 1
+        try:
+            yield s
+        finally:
+            self.sessions.pop(s.token, None)
+            await s.close()
+
+    def _session(self, request: web.Request, key: str | None = None) -> GatewaySession:
+        s = self.sessions.get(request.match_info["token"])
+        if s is None or s.closed:
+            self.stats.unauthorized += 1
+            raise GatewayError(404, "unknown or finished episode", code="episode_not_found")
+        if key is None:
+            s.check_key(request)
+        return s
+
+    # -- handlers -------------------------------------------------------------
+
+    async def _models(self, request: web.Request) -> web.Response:
+        try:
+            self._session(request)
+        except GatewayError as e:
+            return e.response()
+        return web.json_response({"object": "list", "data": [
+            {"id": self.model_name, "object": "model", "created": 0, "owned_by": "rlnode"}]})
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        try:
+            s = self._session(request)
+            req = await read_body(request, ChatRequest)
+            return await self._complete(request, s, req)
+        except GatewayError as e:
+            self.stats.errors += 1
+            return e.response()
+
+    async def _complete(self, request: web.Request, s: GatewaySession, req: ChatRequest) -> web.StreamResponse:
+        settings = s.settings
+        base = settings.sampling
+        if req.n not in (None, 1):
+            raise GatewayError(400, "n must be 1 (one sample per call)", param="n")
+        if req.stop:
+            raise GatewayError(400, "stop sequences are not supported: samples are token-exact and end at the "
+                                    "model's end of turn", param="stop")
+        temperature = base.temperature if req.temperature is None else req.temperature
+        if base.temperature == 0:  # greedy evaluation (scheduler.eval_temperature = 0): not trained on
+            temperature = 0.0
+        elif not 0 < temperature <= base.temperature + 1e-9:
+            raise GatewayError(400, f"temperature must be in (0, {base.temperature}] (actor.sampling.temperature; "
+                                    "samples are scored at logits / temperature)", param="temperature")
+        elif temperature < (floor := min(settings.min_temperature, base.temperature)):
+            # The trainer would refuse the whole group for it (and a tiny T
+            # scales gradients by 1/T): sampled at the floor instead. (An
+            # evaluation below the floor keeps its own temperature.)
+            if self.stats.temperature_floored == 0:
+                log.warning("gateway.temperature_floored", asked=temperature, floor=floor,
+                            key="actor.sampling.min_temperature")
+            self.stats.temperature_floored += 1
+            temperature = floor
+        if req.top_p is not None and abs(req.top_p - base.top_p) > 1e-9:
+            raise GatewayError(400, f"top_p is fixed by the run (actor.sampling.top_p = {base.top_p})", param="top_p")
+        tool_choice = req.tool_choice if req.tool_choice is not None else "auto"
+        if tool_choice not in ("auto", "none"):
+            raise GatewayError(400, "tool_choice must be 'auto' or 'none' (forcing a call needs guided decoding)",
+                               param="tool_choice")
+        if not req.messages:
+            raise GatewayError(400, "messages must not be empty", param="messages")
+        # The turn limit first: a refused call costs no template work.
+        if s.next_step >= settings.max_turns:
+            s.terminated = s.terminated or "max_turns"
+            raise GatewayError(400, f"the episode used its {settings.max_turns} LLM calls (actor.episode.max_turns)",
+                               code="max_turns_exceeded")
+        messages = [template_message(m, i) for i, m in enumerate(req.messages)]
+        tools = req.tools or None
+        tools_on = bool(tools) and tool_choice != "none"
+        covered = s.extends(messages, tools)
+        new = messages if covered is None else messages[covered:]
+        new_chars = sum(len(m["content"]) for m in new)
+        base_len = 0 if covered is None else len(s._ids)
+        # Even at the tokenizer's longest token, this much text cannot fit:
+        # refused without tokenizing (a 64 MiB body would hold the loop).
+        if base_len + new_chars // self.renderer.max_token_chars > settings.max_model_len:
+            s.terminated = s.terminated or "context_limit"
+            raise GatewayError(400, f"{new_chars} characters of new messages cannot fit the {settings.max_model_len}"
+                                    "-token context", code="context_length_exceeded", param="messages")
+        try:
+            if new_chars > TOKENIZE_INLINE_CHARS:  # long documents: tokenized off the event loop
+                prompt = await asyncio.to_thread(s.prompt_for, messages, tools, covered)
+            else:
+                prompt = s.prompt_for(messages, tools, covered)
+        except (ValueError, TypeError) as e:  # the template rejected the conversation
+            raise GatewayError(400, f"chat template: {e}", param="messages") from e
+        reset = covered is None and s._remembered_step >= 0
+        room = settings.max_model_len - len(prompt)
+        if room < settings.min_completion_tokens:
+            s.terminated = s.terminated or "context_limit"
+            raise GatewayError(400, f"prompt of {len(prompt)} tokens leaves no room in the {settings.max_model_len}"
+                                    "-token context", code="context_length_exceeded", param="messages")
+        want = req.max_completion_tokens or req.max_tokens or base.max_tokens
+        step = s.next_step
+        # The episode's seed per call (an agent's own seed is mixed in, never
+        # used alone: an agent that sends one fixed seed would otherwise make
+        # every attempt of its group sample the same tokens).
+        seed = req.seed if settings.seed is None else request_seed(settings.seed, step, req.seed)
+        sampling = msgspec.structs.replace(base, temperature=temperature, seed=seed,
+                                           max_tokens=max(1, min(want, base.max_tokens, room)))
+        s.next_step += 1
+        s.history_resets += reset
+        self.stats.history_resets += reset
+        version = s.policy_version()
+        if req.stream:
+            return await stream_completion(self, request, s, req, messages, tools, tools_on, prompt, sampling, step,
+                                           version, reset)
+        gen = await self._generate(s, prompt, sampling)
+        reply, finish, calls = self._reply(s, gen, step, tools_on)
+        self._record(s, messages, tools, prompt, gen, step, version, temperature, reset, reply)
+        body = {
+            "id": f"chatcmpl-{s.episode_id}-{step}", "object": "chat.completion", "created": int(time.time()),
+            "model": self.model_name,
+            "choices": [{"index": 0, "message": openai_message(reply, calls, step), "finish_reason": finish,
+                         "logprobs": None}],
+            "usage": usage(prompt, gen),
+        }
+        return web.json_response(body)
+
+    async def _generate(self, s: GatewaySession, prompt: list[int], sampling: SamplingSettings,
+                        on_tokens: Callable | None = None) -> Generation:
+        """One leased engine call, registered with the session so closing the
+        episode aborts it."""
+        task = asyncio.ensure_future(self.client.generate(prompt, sampling, affinity=s._engine, on_tokens=on_tokens))
+        s._inflight.add(task)
+        try:
+            gen = await task
+        except EngineError as e:
+            raise GatewayError(503, f"engine failed: {e}", code="engine_error", type="server_error") from e
+        finally:
+            s._inflight.discard(task)
+        if s.closed:
+            raise GatewayError(404, "the episode ended during the call", code="episode_not_found")
+        if gen.completion.finish_reason == "abort":
+            raise GatewayError(503, "the engine aborted the request", code="engine_error", type="server_error")
+        s._engine = gen.lease.engine_id
+        return gen
+
+    def _reply(self, s: GatewaySession, gen: Generation, step: int,
+               tools_on: bool) -> tuple[dict[str, Any], str, list[ToolCall]]:
+        ids = gen.completion.token_ids
+        text = self.renderer.decode(ids[:-1] if ids and ids[-1] == self.renderer.eos_id else ids)
+        content, calls = split_tool_calls(text) if tools_on else (text, [])
+        reply: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            reply["tool_calls"] = [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                                   for c in calls]
+        finish = "tool_calls" if calls else ("length" if gen.completion.finish_reason == "length" else "stop")
+        return reply, finish, calls
+
+    def _record(self, s, messages, tools, prompt, gen, step, version, temperature, reset, reply) -> None:
+        s.calls.append(ServedCall(step, prompt, gen, version, temperature, reset))
+        s.remember(step, messages, tools, prompt, gen.completion.token_ids, reply)
+        self.stats.calls += 1
+
+    # -- environment ------------------------------------------------------------
+
+    async def _env_tools(self, request: web.Request) -> web.Response:
+        try:
+            s = self._session(request)
+        except GatewayError as e:
+            return e.response()
+        tools = s.task.tools() if s.task is not None else []
+        return web.json_response({"tools": [t.as_chat_tool() for t in tools]})
+
+    async def _env_step(self, request: web.Request) -> web.Response:
+        """Body: ``{"tool": NAME, "arguments": {...}}`` or ``{"text": ...}``
+        (a message to the environment). Answers the cube task's StepResult."""
+        try:
+            s = self._session(request)
+            body = await read_body(request, EnvStep)
+            if s.task is None or not getattr(s.task, "has_environment", True):
+                raise GatewayError(404, "this episode has no environment", code="no_environment")
+            if s.env_done:
+                raise GatewayError(409, "the environment already ended this episode", code="episode_done")
+            calls = [ToolCall(body.tool, body.arguments)] if body.tool else []
+            try:
+                result = await s.task.step(Action(text=body.text, tool_calls=calls))
+            except NotImplementedError as e:
+                raise GatewayError(404, f"this episode has no environment: {e}", code="no_environment") from e
+            except Exception as e:  # the cube's failure, in OpenAI's error shape (not a bare 500)
+                log.warning("gateway.env_step_failed", episode=s.episode_id, error=repr(e)[:300])
+                raise GatewayError(500, f"the environment failed: {e!r}"[:1000], code="environment_error",
+                                   type="server_error") from e
+        except GatewayError as e:
+            self.stats.errors += 1
+            return e.response()
+        s.agent_errors += result.error is not None
+        s.env_done = s.env_done or result.done
+        return web.json_response({"observation": result.observation, "reward": result.reward, "done": result.done,
+                                  "error": result.error, "info": result.info}, dumps=dumps)
+
+    async def _env_reward(self, request: web.Request) -> web.Response:
+        try:
+            s = self._session(request, key="reward")
+            if not s.reward_key:
+                raise GatewayError(403, "this episode's reward comes from its task's evaluator; a posted reward "
+                                        "counts only with reward_source = \"agent\" in the cube's options",
+                                   code="reward_not_accepted", type="permission_error")
+            s.check_key(request, s.reward_key)
+            body = await read_body(request, EnvReward)
+            bound = s.settings.max_abs_reward
+            if not (math.isfinite(body.reward) and abs(body.reward) <= bound):
+                raise GatewayError(400, f"reward must be a finite number within [-{bound:g}, {bound:g}] "
+                                        "(actor.episode.max_abs_reward)", param="reward")
+        except GatewayError as e:
+            self.stats.errors += 1
+            if e.status != 404:
+                self.stats.rewards_refused += 1
+            return e.response()
+        s.posted_reward, s.posted_success = body.reward, body.success
+        return web.json_response({"ok": True})

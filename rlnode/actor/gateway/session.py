@@ -1,0 +1,147 @@
+"""One episode's view of the gateway (``GatewaySession``): its token and
+keys, the calls it was served, and the history matching that keeps
+multi-turn samples token-exact (a re-sent conversation extends the previous
+prompt + completion by the template tokens of its new messages only)."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import secrets
+from typing import Any, Callable
+
+import msgspec
+from aiohttp import web
+
+from rlnode.actor.episode import EpisodeSettings
+from rlnode.actor.gateway.api import GatewayError
+from rlnode.actor.generation import Generation
+from rlnode.cubes.base import AgentEndpoint, CubeTask
+
+
+def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether a re-sent (template) message is the one served before.
+    Tool-call ids are left out: templates do not render them and some SDKs
+    rewrite them."""
+    if a.get("tool_call_id") == b.get("tool_call_id"):
+        return a == b
+    return {k: v for k, v in a.items() if k != "tool_call_id"} == {k: v for k, v in b.items() if k != "tool_call_id"}
+
+
+
+class GatewayStats(msgspec.Struct):
+    sessions: int = 0  # episodes served
+    calls: int = 0  # chat completions answered
+    streamed: int = 0  # of which streamed
+    history_resets: int = 0  # calls whose history was not an extension of the last one
+    errors: int = 0  # requests answered with an error
+    unauthorized: int = 0  # unknown token or wrong key
+    temperature_floored: int = 0  # calls that asked below actor.sampling.min_temperature (raised to it)
+    rewards_refused: int = 0  # POST env/reward refused: not the task's reward source, wrong key, out of bounds
+    agent_rewards_ignored: int = 0  # rewards an agent returned where the evaluator decides
+
+
+class ServedCall(msgspec.Struct):
+    """One answered LLM call, waiting for the episode's reward."""
+
+    step_index: int
+    prompt: list[int]
+    generation: Generation
+    policy_version: int
+    temperature: float
+    history_reset: bool
+
+
+class GatewaySession:
+    """One episode's view of the gateway: valid from ``Gateway.session`` to
+    its exit."""
+
+    def __init__(self, gateway, episode_id: str, task: CubeTask | None, settings: EpisodeSettings,
+                 policy_version: Callable[[], int]):
+        self.gateway, self.episode_id, self.task, self.settings = gateway, episode_id, task, settings
+        self.policy_version = policy_version
+        self.token = secrets.token_urlsafe(24)
+        self.api_key = "rlnode-" + secrets.token_urlsafe(24)
+        # Only where the agent decides the reward (no task: a bare session of
+        # a test or benchmark, whose only reward source is the agent).
+        agent_reward = task is None or getattr(task, "reward_source", "evaluator") == "agent"
+        self.reward_key = "rlnode-reward-" + secrets.token_urlsafe(24) if agent_reward else ""
+        self.calls: list[ServedCall] = []
+        self.next_step = 0
+        self.history_resets = 0
+        self.agent_errors = 0  # environment errors the agent saw (bad tool args)
+        self.terminated: str | None = None  # "max_turns" | "context_limit" once the gateway refused a call
+        self.env_done = False
+        self.posted_reward: float | None = None
+        self.posted_success: bool | None = None
+        self.closed = False
+        # History state of the newest answered call (by step: a call that
+        # started earlier but finished later must not overwrite it).
+        self._remembered_step = -1
+        self._history: list[dict[str, Any]] = []
+        self._tools: list[dict[str, Any]] = []
+        self._ids: list[int] = []
+        self._last_completion: list[int] = []
+        self._empty_reply = False
+        self._engine: int | None = None
+        self._inflight: set[asyncio.Task] = set()
+
+    @property
+    def endpoint(self) -> AgentEndpoint:
+        root = f"{self.gateway.url}/episodes/{self.token}"
+        return AgentEndpoint(f"{root}/v1", self.api_key, f"{root}/env", self.gateway.model_name, self.reward_key)
+
+    def check_key(self, request: web.Request, key: str | None = None) -> None:
+        key = self.api_key if key is None else key
+        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), key.encode()):
+            self.gateway.stats.unauthorized += 1
+            raise GatewayError(401, "invalid API key for this episode", code="invalid_api_key",
+                               type="authentication_error")
+
+    # -- prompt ---------------------------------------------------------------
+
+    def extends(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> int | None:
+        """How many of ``messages`` the newest answered call already covers
+        (its history and reply), or None when the request does not extend it
+        (the history is then rendered afresh and counted as a reset).
+        Dict equality, element by element: no per-call re-serialisation."""
+        n = len(self._history)
+        if not n or (tools or []) != self._tools:
+            return None
+        if len(messages) > n and all(_same(a, b) for a, b in zip(messages, self._history)):
+            return n
+        # Some SDKs (the Agents SDK) drop an empty assistant reply from
+        # their history. The engine did produce that turn (an end of turn
+        # token), so the prompt keeps it: still the exact extension.
+        if self._empty_reply and len(messages) >= n and all(_same(a, b) for a, b in zip(messages, self._history[:-1])):
+            return n - 1
+        return None
+
+    def prompt_for(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                   covered: int | None) -> list[int]:
+        """Prompt token ids for a request; ``covered`` is ``extends()``."""
+        renderer = self.gateway.renderer
+        if covered is not None:
+            return self._ids + renderer.next_messages(self._last_completion, messages[covered:])
+        return renderer.render(messages, tools)
+
+    def remember(self, step: int, messages: list[dict[str, Any]], tools, prompt: list[int], completion: list[int],
+                 reply: dict[str, Any]) -> None:
+        if step < self._remembered_step:  # concurrent calls: the newer one already set the history
+            return
+        self._remembered_step = step
+        self._history = messages + [reply]
+        self._empty_reply = not reply["content"] and not reply.get("tool_calls")
+        self._tools = tools or []
+        self._ids = prompt + completion
+        self._last_completion = completion
+
+    async def close(self) -> None:
+        """End the episode's access: the token stops working and calls still
+        running are aborted in the engine (their leases are returned)."""
+        self.closed = True
+        tasks = list(self._inflight)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
