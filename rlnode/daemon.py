@@ -201,7 +201,8 @@ def agent_link_keys(cfg: Config, role: str) -> str:
     trust boundary while agents run on the node. Returns the curve dir
     chosen ('' when the config's own rules apply: curve_dir set, no agent
     cube, or a link beyond loopback, which needs CURVE or insecure anyway)."""
-    from rlnode.link.curve import auto_keys, is_loopback
+    from rlnode.addresses import is_loopback
+    from rlnode.link.curve import auto_keys
 
     if cfg.link.curve_dir or not any(c.kind in AGENT_CUBE_KINDS for c in cfg.actor.cubes):
         return ""

@@ -64,6 +64,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
+from rlnode.addresses import ROUTE_PROBE, route_source
 from rlnode.log import get_logger
 from rlnode.weight_plan import GroupSpec, TransferError
 
@@ -439,20 +440,13 @@ def gloo_address(spec: GroupSpec, rank: int) -> str:
     host = spec.master_host
     if rank == 0 and host not in ("", "0.0.0.0", "::"):
         return host
-    target = host if rank > 0 and host not in ("", "0.0.0.0", "::") else _ROUTE_PROBE[0]
-    family = socket.AF_INET6 if ":" in target else socket.AF_INET
+    target = host if rank > 0 and host not in ("", "0.0.0.0", "::") else ROUTE_PROBE[0]
     try:
-        with socket.socket(family, socket.SOCK_DGRAM) as s:
-            s.connect((target, spec.master_port or _ROUTE_PROBE[1]))  # sends nothing: asks the route
-            return s.getsockname()[0]
+        return route_source(target, spec.master_port or ROUTE_PROBE[1])
     except OSError as e:
         raise RendezvousError(f"group epoch {spec.epoch}: rank {rank}: no route to the trainer's rendezvous "
                               f"host {host!r}: {e}") from e
 
-
-# Any routable address (TEST-NET-1, RFC 5737): asking the route to it gives
-# this node's address on its default route.
-_ROUTE_PROBE = ("192.0.2.1", 9)
 
 
 def prove_channels(pg, key: bytes, epoch: int, rank: int, world_size: int, timeout: timedelta) -> None:

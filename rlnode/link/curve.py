@@ -22,7 +22,6 @@ authenticator itself is started by the trainer link.
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import shutil
 from pathlib import Path
@@ -30,6 +29,8 @@ from pathlib import Path
 import msgspec
 import zmq
 import zmq.auth
+
+from rlnode.addresses import is_loopback
 
 TRAINER = "trainer"
 AUTHORIZED = "authorized"
@@ -145,18 +146,6 @@ def auto_keys(run_dir: str | os.PathLike, node_id: str) -> str:
         fcntl.flock(lock, fcntl.LOCK_EX)
         keygen(root, [node_id])
     return str(root)
-
-
-def is_loopback(host: str) -> bool:
-    """127.0.0.0/8, ::1 or "localhost" (names are not resolved: a name that
-    happens to resolve to loopback today is not a promise)."""
-    host = host.strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 class InsecureBindError(CurveError):

@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 
 from rlnode.config import Config
-from rlnode.link.curve import is_loopback as literal_loopback
+from rlnode.addresses import is_loopback as literal_loopback
 from rlnode.ops.findings import FAIL, OK, WARN, Finding
 from rlnode.ops.stack import check_stack, cuda_roles
 

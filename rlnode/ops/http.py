@@ -35,7 +35,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from rlnode.config import HttpConfig
-from rlnode.link.curve import is_loopback
+from rlnode.addresses import is_loopback
 from rlnode.log import get_logger
 from rlnode.ops.netaddr import local_url_host
 from rlnode.ops.notify import Notifier

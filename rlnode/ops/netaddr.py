@@ -12,22 +12,16 @@ from __future__ import annotations
 import socket
 
 from rlnode.config import Config
-from rlnode.link.curve import is_loopback
-
-# Any routable address: connecting a UDP socket sends nothing, it only asks
-# the kernel which local address the route to it leaves from.
-_ROUTE_PROBE = ("192.0.2.1", 9)  # TEST-NET-1 (RFC 5737): never a real peer
+from rlnode.addresses import is_loopback, route_source
 
 
 def primary_address() -> str:
     """This node's address on its default route (or the hostname's first
     non-loopback address); ValueError when it has neither."""
     try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect(_ROUTE_PROBE)
-            addr = s.getsockname()[0]
-            if not is_loopback(addr) and addr != "0.0.0.0":
-                return addr
+        addr = route_source()
+        if not is_loopback(addr) and addr != "0.0.0.0":
+            return addr
     except OSError:
         pass
     try:
