@@ -129,7 +129,7 @@ def _group(gid: str, session: str, tokens: int) -> Group:
 
 
 async def test_a_group_the_link_refuses_gives_its_credit_back():
-    from rlnode.actor.daemon import _LinkSink
+    from rlnode.actor.daemon import TrainerGroupSink
 
     trainer = TrainerLink(ANY_PORT, FAST, credit_budget=2)
     await trainer.start()
@@ -137,7 +137,7 @@ async def test_a_group_the_link_refuses_gives_its_credit_back():
     try:
         await actor.start()
         await until(lambda: actor.credits.granted == 2, 5, "the budget to be granted")
-        sink = _LinkSink(actor, "a")
+        sink = TrainerGroupSink(actor, "a")
         prefix = f"a-{actor.incarnation}-"
         # Over the frame limit: the link refuses it after all its episodes ran.
         await sink.put(_group(f"{prefix}g0000000", await asyncio.wait_for(actor.credits.acquire(), 5), tokens=100_000))
@@ -294,11 +294,11 @@ async def test_the_trainer_raises_an_alarm_when_no_group_arrives():
 def test_the_actor_turns_unhealthy_when_no_group_reaches_its_link():
     import time
 
-    from rlnode.actor.daemon import ActorDaemon, _LinkSink
+    from rlnode.actor.daemon import ActorDaemon, TrainerGroupSink
 
     cfg = load_config(None, ["link.no_group_alarm_s=60"])
     link = types.SimpleNamespace(connected=True, credits=types.SimpleNamespace(available=0, granted=4))
-    me = types.SimpleNamespace(cfg=cfg, sink=_LinkSink(link, "a"), link=link, scheduler=types.SimpleNamespace(
+    me = types.SimpleNamespace(cfg=cfg, sink=TrainerGroupSink(link, "a"), link=link, scheduler=types.SimpleNamespace(
         in_flight_groups=0, waiting_for_credit=True, groups_failed=0))
     assert ActorDaemon._starved(me) == ""
     me.sink.last_at = time.monotonic() - 61  # four credits leaked, nothing ran for a minute

@@ -158,7 +158,7 @@ async def _push(engine, bc, tensors, version):
 
 
 def _mismatched(engine_digest: dict, tensors) -> list[str]:
-    from rlnode.actor.weight_tools import tensor_digest
+    from rlnode.actor.engine_weights import tensor_digest
 
     sent = {n: tensor_digest(t) for n, t in tensors}
     if "lm_head.weight" not in sent:  # tied: the head's kernel must serve the embedding

@@ -55,7 +55,7 @@ def episode_settings(cfg: Config) -> EpisodeSettings:
     )
 
 
-class _LinkSink:
+class TrainerGroupSink:
     """Where the scheduler puts complete groups when a trainer is connected:
     the link's outbox (``submit`` never blocks). Owns a group once ``put``
     returns: a group the link refuses (larger than link.max_frame_bytes, or
@@ -118,7 +118,7 @@ class ActorDaemon:
         # Complete groups, for the trainer link. Bounded in effect by the
         # scheduler's staleness budget, not by the queue.
         self.groups: asyncio.Queue[Group] = asyncio.Queue()
-        self.sink: _LinkSink | None = None  # set by run() when a trainer takes the groups
+        self.sink: TrainerGroupSink | None = None  # set by run() when a trainer takes the groups
 
     async def start(self) -> None:
         from rlnode.actor.weight_receiver import prepare_engine
@@ -213,7 +213,7 @@ class ActorDaemon:
             # the scheduler's groups in flight plus the outbox).
             out = self.groups
             if self.link is not None:
-                out = self.sink = _LinkSink(self.link, self.node_id)
+                out = self.sink = TrainerGroupSink(self.link, self.node_id)
                 if self.cfg.link.no_group_alarm_s:
                     jobs.append(asyncio.create_task(self._watch_groups(), name="no-group-alarm"))
             jobs.append(asyncio.create_task(self.scheduler.run(out), name="rollouts"))

@@ -47,9 +47,9 @@ class VersionSource:
 
     def set(self, version: int) -> None:
         self.version = version
-        self.poke()
+        self.wake()
 
-    def poke(self) -> None:
+    def wake(self) -> None:
         """Wake the waiters without a new version (a budget freed up)."""
         self._changed.set()
         self._changed = asyncio.Event()
@@ -84,7 +84,7 @@ class VersionBudget:
 
     def give_back(self, session: str) -> None:
         self.started -= 1
-        self.versions.poke()
+        self.versions.wake()
 
 
 class CubeStats(msgspec.Struct):

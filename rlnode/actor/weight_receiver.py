@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from rlnode.actor import vllm_compat
-from rlnode.actor.weight_tools import refresh_fp32_head, set_fp32_head, weight_digest
+from rlnode.actor.engine_weights import refresh_fp32_head, set_fp32_head, weight_digest
 from rlnode.log import get_logger
 from rlnode.weight_plan import (
     GroupSpec,
