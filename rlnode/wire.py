@@ -128,7 +128,7 @@ class EngineInfo(_Msg):
 
     engine_id: int
     num_workers: int  # tensor-parallel worker processes: ranks in the weight broadcast
-    # The machine it runs on (rlnode.weight_ipc.host_identity); "" = not said.
+    # The machine it runs on (rlnode.weights.ipc.host_identity); "" = not said.
     # The trainer lends weights by CUDA IPC to engines on its own machine.
     host: str = ""
     # UUIDs ("GPU-...") of the GPUs its processes see, which every one of its

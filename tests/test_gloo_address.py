@@ -9,8 +9,8 @@ import socket
 import pytest
 
 from rlnode.ops.netaddr import primary_address
-from rlnode.rendezvous import RendezvousError, gloo_address
-from rlnode.weight_plan import GroupSpec
+from rlnode.weights.rendezvous import RendezvousError, gloo_address
+from rlnode.weights.plan import GroupSpec
 
 
 def spec(host: str) -> GroupSpec:

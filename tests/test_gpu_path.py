@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from rlnode.actor import engine_guard
-from rlnode.weight_plan import GroupMember, GroupSpec, indexed_device
-from rlnode.weight_comm import WeightComm
+from rlnode.weights.plan import GroupMember, GroupSpec, indexed_device
+from rlnode.weights.comm import WeightComm
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -37,7 +37,7 @@ def test_an_unindexed_cuda_device_gets_the_current_index(monkeypatch):
 def test_weight_comm_hands_nccl_an_indexed_device(monkeypatch):
     """The trainer passes "cuda"; vLLM's PyNcclCommunicator would keep it and
     assert tensor.device == "cuda" (never true: tensors are cuda:N)."""
-    import rlnode.rendezvous as rendezvous
+    import rlnode.weights.rendezvous as rendezvous
 
     got = []
 
@@ -60,7 +60,7 @@ def test_weight_comm_hands_nccl_an_indexed_device(monkeypatch):
 
 
 def test_the_nccl_communicator_refuses_an_unindexed_device():
-    from rlnode.rendezvous import Rendezvous
+    from rlnode.weights.rendezvous import Rendezvous
 
     with pytest.raises(ValueError, match=r"needs an indexed device \(cuda:N\), got cuda"):
         Rendezvous.nccl_communicator(object(), "cuda")

@@ -134,8 +134,8 @@ def test_push_gathers_full_tensors_in_plan_order_and_a_cut_push_does_not_hang(mo
 
     from test_weights import _receiver, _sync_cfg
     from rlnode.trainer.weights import WeightBroadcaster, update_tensors
-    from rlnode.weight_plan import encode
-    from rlnode.weight_comm import keep_stdout
+    from rlnode.weights.plan import encode
+    from rlnode.weights.comm import keep_stdout
 
     cfg = _cfg(model_dir)
     expected_names = [n for n, _ in update_tensors(Learner(cfg).model)]

@@ -1,4 +1,4 @@
-"""The weight rendezvous is authenticated (rlnode.rendezvous): real TCPStore
+"""The weight rendezvous is authenticated (rlnode.weights.rendezvous): real TCPStore
 and gloo on CPU, every rank in a thread of this process; intruders are raw
 TCPStore clients and plain sockets, as an outsider reaching the port would be."""
 
@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from rlnode.config import WeightSyncConfig
-from rlnode.rendezvous import (
+from rlnode.weights.rendezvous import (
     MAX_PROOF_ATTEMPTS,
     PROOF_GRACE_S,
     Rendezvous,
@@ -28,8 +28,8 @@ from rlnode.rendezvous import (
     unique_id_group,
 )
 from rlnode.trainer.weights import WeightBroadcaster
-from rlnode.weight_plan import GroupMember, GroupSpec, decode_spec, encode
-from rlnode.weight_comm import WeightComm
+from rlnode.weights.plan import GroupMember, GroupSpec, decode_spec, encode
+from rlnode.weights.comm import WeightComm
 
 pytestmark = pytest.mark.timeout(60)
 T = timedelta(seconds=20)

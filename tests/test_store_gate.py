@@ -1,4 +1,4 @@
-"""The gate in front of a weight epoch's TCPStore (rlnode.store_gate): a
+"""The gate in front of a weight epoch's TCPStore (rlnode.weights.store_gate): a
 real TCPStore server on loopback, the gate process on its own port, and
 clients that are plain TCPStore clients, as anyone reaching the port is."""
 
@@ -18,10 +18,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from rlnode.rendezvous import new_secret
-from rlnode.store_gate import MAX_CONN_BYTES, GateProcess
-from rlnode.weight_plan import GroupMember, GroupSpec
-from rlnode.weight_comm import WeightComm
+from rlnode.weights.rendezvous import new_secret
+from rlnode.weights.store_gate import MAX_CONN_BYTES, GateProcess
+from rlnode.weights.plan import GroupMember, GroupSpec
+from rlnode.weights.comm import WeightComm
 
 pytestmark = pytest.mark.timeout(60)
 T = timedelta(seconds=10)
@@ -115,7 +115,7 @@ def test_the_gate_dies_with_its_parent(tmp_path):
     """The trainer killed -9: its gate exits by itself within a second or two."""
     script = (
         "import socket, sys, time, torch.distributed as dist\n"
-        "from rlnode.store_gate import GateProcess\n"
+        "from rlnode.weights.store_gate import GateProcess\n"
         "inner = socket.create_server(('127.0.0.1', 0)); p = inner.getsockname()[1]\n"
         "s = dist.TCPStore('127.0.0.1', p, is_master=True, master_listen_fd=inner.detach(), wait_for_workers=False)\n"
         "g = GateProcess(socket.create_server(('127.0.0.1', 0)), p)\n"

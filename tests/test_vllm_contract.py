@@ -59,7 +59,7 @@ def test_rlnode_uses_only_what_each_supported_release_has(stem):
 def test_the_scan_finds_the_weight_paths_vllm_imports():
     """The files the hand-kept list once missed are in the scan."""
     files = {u.where.split(":")[0] for u in scan()}
-    assert {"rlnode/rendezvous.py", "rlnode/actor/weight_receiver.py", "rlnode/actor/engine_weights.py",
+    assert {"rlnode/weights/rendezvous.py", "rlnode/actor/weight_receiver.py", "rlnode/actor/engine_weights.py",
             "rlnode/actor/engine.py", "rlnode/bench/weights.py"} <= files
     keys = {u.key for u in scan()}
     assert "call vllm.distributed.device_communicators.pynccl:PyNcclCommunicator" in keys
@@ -72,11 +72,11 @@ def test_the_nccl_unique_id_constant_is_caught_on_0_26():
     passes on 0.32's."""
     old = ("def f():\n"
            "    from vllm.distributed.device_communicators.pynccl_wrapper import NCCL_UNIQUE_ID_BYTES\n")
-    uses = scan_source(old, "rlnode/rendezvous.py")
-    assert uses == [ONCE_BROKEN[0]._replace(where="rlnode/rendezvous.py:2")]
+    uses = scan_source(old, "rlnode/weights/rendezvous.py")
+    assert uses == [ONCE_BROKEN[0]._replace(where="rlnode/weights/rendezvous.py:2")]
     (problem,) = violations(uses, _load("vllm-0.26.0"))
     assert "vLLM 0.26.0 (vllm) has no" in problem and "NCCL_UNIQUE_ID_BYTES" in problem
-    assert "rlnode/rendezvous.py:2" in problem
+    assert "rlnode/weights/rendezvous.py:2" in problem
     assert violations(uses, _load("vllm-0.32.0")) == []
     # Inside a try that catches ImportError it is optional: allowed to be absent.
     guarded = ("try:\n    from vllm.distributed.device_communicators.pynccl_wrapper import NCCL_UNIQUE_ID_BYTES\n"

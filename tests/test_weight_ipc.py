@@ -20,15 +20,15 @@ import msgspec
 import pytest
 import torch
 
-from rlnode import weight_ipc
+from rlnode.weights import ipc as weight_ipc
 from rlnode.actor.engine import engine_visible_gpus
 from rlnode.config import LinkConfig, WeightSyncConfig
 from rlnode.link import ActorLink, TrainerLink
 from rlnode.trainer.sync import WeightPusher
 from rlnode.trainer.weights import EnginePlace, WeightBroadcaster, WeightGuard, resolve_backend, update_tensors
-from rlnode.weight_ipc import IpcHandle, host_identity, visible_gpus
-from rlnode.weight_plan import PlanMismatch, decode_plan, encode, unpack_bucket
-from rlnode.weight_comm import WeightComm, agree_on_plan, keep_stdout
+from rlnode.weights.ipc import IpcHandle, host_identity, visible_gpus
+from rlnode.weights.plan import PlanMismatch, decode_plan, encode, unpack_bucket
+from rlnode.weights.comm import WeightComm, agree_on_plan, keep_stdout
 from rlnode.wire import EngineInfo, Register
 
 # Three GPUs of one machine, as NVML spells them; the trainer's in torch's

@@ -17,9 +17,9 @@ import torch
 
 from rlnode.config import ModelConfig, WeightSyncConfig
 from rlnode.trainer.weights import EnginePlace, WeightBroadcaster, resolve_backend, update_tensors
-from rlnode.weight_ipc import IpcHandle, decode_handle, encode_handle, host_identity
-from rlnode.weight_plan import PlanMismatch, decode_plan, encode, unpack_bucket
-from rlnode.weight_comm import WeightComm, agree_on_plan, keep_stdout
+from rlnode.weights.ipc import IpcHandle, decode_handle, encode_handle, host_identity
+from rlnode.weights.plan import PlanMismatch, decode_plan, encode, unpack_bucket
+from rlnode.weights.comm import WeightComm, agree_on_plan, keep_stdout
 from rlnode.wire import EngineInfo, Register
 
 

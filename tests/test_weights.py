@@ -21,7 +21,7 @@ import torch
 from conftest import reference_logprobs
 from rlnode.config import WeightSyncConfig
 from rlnode.trainer.weights import WeightBroadcaster, update_tensors
-from rlnode.weight_plan import (
+from rlnode.weights.plan import (
     ALIGN_BYTES,
     GroupMember,
     GroupSpec,
@@ -35,7 +35,7 @@ from rlnode.weight_plan import (
     plan_buckets,
     unpack_bucket,
 )
-from rlnode.weight_comm import WeightComm, agree_on_plan, keep_stdout
+from rlnode.weights.comm import WeightComm, agree_on_plan, keep_stdout
 
 
 def _sync_cfg(bucket_mb: int = 1) -> WeightSyncConfig:

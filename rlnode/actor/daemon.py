@@ -167,7 +167,7 @@ class ActorDaemon:
     async def _connect(self) -> None:
         from rlnode.link.actor_link import ActorLink
 
-        from rlnode.weight_ipc import host_identity
+        from rlnode.weights.ipc import host_identity
         from rlnode.wire import EngineInfo
 
         tp = self.cfg.actor.engine.tensor_parallel_size
@@ -266,7 +266,7 @@ class ActorDaemon:
         raise await self._fatal.get()
 
     async def _answer(self, req) -> None:
-        from rlnode.weight_plan import LoadError
+        from rlnode.weights.plan import LoadError
         from rlnode.wire import ControlReply
 
         fatal = None
@@ -285,7 +285,7 @@ class ActorDaemon:
 
     async def _handle(self, kind: str, payload: dict) -> dict:
         from rlnode.actor.weight_receiver import apply_weight_update, join_group
-        from rlnode.weight_plan import LoadError, decode_plan, decode_spec
+        from rlnode.weights.plan import LoadError, decode_plan, decode_spec
 
         if kind == "join_group":
             spec = decode_spec(base64.b64decode(payload["spec"]))

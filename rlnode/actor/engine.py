@@ -180,7 +180,7 @@ def engine_visible_gpus(gpus: list[int] | None) -> tuple[str, ...]:
     through NVML, so this process creates no CUDA context. () on CPU, or
     when NVML cannot say: the trainer then sends weights over NCCL rather
     than lend it memory it may not be able to open."""
-    from rlnode import weight_ipc
+    from rlnode.weights import ipc as weight_ipc
 
     if gpus is None:
         return ()

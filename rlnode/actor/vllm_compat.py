@@ -79,7 +79,7 @@ SYMBOLS: tuple[Symbol, ...] = (
     Symbol("vllm.v1.engine.output_processor", "RequestState", "init_attrs", ("external_req_id", "detokenizer")),
     Symbol("vllm.v1.engine.core_client", "AsyncMPClient", "init_attrs", ("outputs_queue",)),
     Symbol("vllm.v1.engine.async_llm", "AsyncLLM", "init_attrs", ("engine_core", "output_processor")),
-    # The NCCL weight transport (rlnode/rendezvous.py, weight_comm.WeightComm)
+    # The NCCL weight transport (rlnode/weights/rendezvous.py, weight_comm.WeightComm)
     # holds a PyNcclCommunicator and subclasses StatelessProcessGroup: the
     # instance attributes and methods it uses, which the source scan
     # (rlnode/tools/vllm_contract.py) cannot resolve.

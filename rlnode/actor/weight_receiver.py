@@ -54,7 +54,7 @@ import msgspec
 from rlnode.actor import vllm_compat
 from rlnode.actor.engine_weights import refresh_fp32_head, set_fp32_head, weight_digest
 from rlnode.log import get_logger
-from rlnode.weight_plan import (
+from rlnode.weights.plan import (
     GroupSpec,
     LoadError,
     PlanMismatch,
@@ -66,7 +66,7 @@ from rlnode.weight_plan import (
     encode,
     unpack_bucket,
 )
-from rlnode.weight_comm import WeightComm, agree_on_plan
+from rlnode.weights.comm import WeightComm, agree_on_plan
 
 if TYPE_CHECKING:
     import torch

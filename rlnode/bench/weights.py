@@ -48,11 +48,11 @@ from rlnode.actor.weight_receiver import (
     join_group,
 )
 from rlnode.config import Config, EngineConfig, load_config
-from rlnode.rendezvous import new_secret
+from rlnode.weights.rendezvous import new_secret
 from rlnode.trainer.weights import WeightBroadcaster, update_tensors
-from rlnode.weight_ipc import host_identity
-from rlnode.weight_plan import GroupMember, GroupSpec, WeightUpdatePlan
-from rlnode.weight_comm import WeightComm, keep_stdout
+from rlnode.weights.ipc import host_identity
+from rlnode.weights.plan import GroupMember, GroupSpec, WeightUpdatePlan
+from rlnode.weights.comm import WeightComm, keep_stdout
 
 # (layers, hidden) of the models the benchmark can build for itself.
 BENCH_SIZES = {"tiny": (2, 128), "100m": (20, 768)}

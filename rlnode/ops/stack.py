@@ -121,7 +121,7 @@ def check_ipc(cfg: Config, role: str, gpus: int, physical: tuple[str, ...] | Non
     (CUDA IPC needs the trainer's GPU among the engine process's visible
     ones, matched by UUID), hence which transport "auto" will pick.
     ``physical``: every GPU's UUID in NVML order (default: read from NVML)."""
-    from rlnode import weight_ipc
+    from rlnode.weights import ipc as weight_ipc
     from rlnode.actor.engine import cuda_env, engine_gpu_assignment
 
     trainer_cuda, engine_cuda = cuda_roles(cfg, gpus)

@@ -536,7 +536,7 @@ class RankGroup:
         weights, cast per tensor), hand the plan to ``on_plan``, and
         broadcast it while every rank gathers one full tensor at a time in
         the plan's order."""
-        from rlnode.weight_plan import torch_dtype
+        from rlnode.weights.plan import torch_dtype
 
         engine = self.cfg.model.dtype
         mixed = self.cfg.trainer.precision == "bf16-mixed" and engine != "auto"

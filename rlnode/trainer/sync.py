@@ -43,7 +43,7 @@ from rlnode.link.base import LinkError
 from rlnode.link.trainer_link import TrainerLink
 from rlnode.log import get_logger
 from rlnode.trainer.weights import BroadcastStats, WeightBroadcaster, WeightGuard, update_tensors
-from rlnode.weight_plan import PlanMismatch, WeightUpdateError, WeightUpdatePlan, encode
+from rlnode.weights.plan import PlanMismatch, WeightUpdateError, WeightUpdatePlan, encode
 
 log = get_logger("rlnode.trainer.sync")
 

@@ -39,8 +39,8 @@ import msgspec
 
 from rlnode.config import WeightSyncConfig
 from rlnode.log import get_logger
-from rlnode.rendezvous import RendezvousError, new_secret, secret_key
-from rlnode.weight_plan import (
+from rlnode.weights.rendezvous import RendezvousError, new_secret, secret_key
+from rlnode.weights.plan import (
     GroupMember,
     GroupSpec,
     PlanMismatch,
@@ -50,7 +50,7 @@ from rlnode.weight_plan import (
     pack_bucket,
     plan_buckets,
 )
-from rlnode.weight_comm import WeightComm, agree_on_plan
+from rlnode.weights.comm import WeightComm, agree_on_plan
 
 if TYPE_CHECKING:
     import torch
@@ -162,7 +162,7 @@ def resolve_backend(cfg: WeightSyncConfig, device: str, engines: Sequence[Engine
     older one) could not open the trainer's memory. ``trainer_gpu``: the
     trainer's GPU UUID (None = asked from torch); ``local_host``: this
     machine (None = ``host_identity()``)."""
-    from rlnode.weight_ipc import gpu_key, host_identity, own_gpu_uuid, sees_gpu
+    from rlnode.weights.ipc import gpu_key, host_identity, own_gpu_uuid, sees_gpu
 
     if cfg.backend != "auto":
         return cfg.backend, f"weight_sync.backend = {cfg.backend}"
@@ -259,7 +259,7 @@ class WeightBroadcaster:
 
     def _gpu_uuid(self) -> str | None:
         if self.gpu_uuid is None and str(self.device).startswith("cuda"):
-            from rlnode.weight_ipc import own_gpu_uuid
+            from rlnode.weights.ipc import own_gpu_uuid
 
             self.gpu_uuid = own_gpu_uuid(self.device)
         return self.gpu_uuid
@@ -268,7 +268,7 @@ class WeightBroadcaster:
         """cuda_ipc (configured or chosen): every engine must be able to open
         the trainer's memory. An engine that did not report its GPUs (an
         older actor) is let try: the configured choice is the operator's."""
-        from rlnode.weight_ipc import host_identity, sees_gpu
+        from rlnode.weights.ipc import host_identity, sees_gpu
 
         if remote := [p.actor_id for p in places if p.host != host_identity()]:
             raise PlanMismatch(f"weight_sync.backend = cuda_ipc: engines {remote} are not on the trainer's host")
@@ -296,7 +296,7 @@ class WeightBroadcaster:
         """Blocking: rendezvous as rank 0 until every member joined (or
         ``spec.timeout_s``). Closes the previous epoch's group first.
         Members are admitted by proving they hold ``spec.secret``
-        (``rlnode.rendezvous``); one that shows a wrong proof fails the epoch
+        (``rlnode.weights.rendezvous``); one that shows a wrong proof fails the epoch
         within seconds, naming its rank."""
         if spec.epoch != self.epoch or spec.epoch not in self._reserved:
             raise PlanMismatch(f"open_group: epoch {spec.epoch} is not the planned epoch {self.epoch}")

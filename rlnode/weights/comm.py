@@ -15,19 +15,19 @@ import contextlib
 import os
 from typing import TYPE_CHECKING
 
-from rlnode.weight_plan import GroupSpec, TransferError, indexed_device
+from rlnode.weights.plan import GroupSpec, TransferError, indexed_device
 
 if TYPE_CHECKING:
     import socket
 
     import torch
 
-    from rlnode.rendezvous import GlooGroup
+    from rlnode.weights.rendezvous import GlooGroup
 
 class WeightComm:
     """A stateless torch.distributed group for weight broadcasts.
 
-    Every backend starts with ``rlnode.rendezvous``: an epoch's TCPStore on
+    Every backend starts with ``rlnode.weights.rendezvous``: an epoch's TCPStore on
     the advertised address, where each rank proves it holds the epoch's
     secret (``GroupSpec.secret``) before any group forms. gloo: a gloo
     backend on that store whose every connection passed a secret check
@@ -61,7 +61,7 @@ class WeightComm:
         self._nccl = None
         self._staging: torch.Tensor | None = None  # gloo: CPU copy of CUDA buckets
         self._ctl_device = self.device if spec.backend == "nccl" else torch.device("cpu")
-        from rlnode.rendezvous import Rendezvous
+        from rlnode.weights.rendezvous import Rendezvous
 
         # Blocks until rank 0 admitted every rank (each proved it holds the
         # epoch's secret) or raises RendezvousError.
@@ -125,7 +125,7 @@ class WeightComm:
         (``lend_handle``); a worker maps each export once (``LentBuffers``)."""
         import torch
 
-        from rlnode.weight_ipc import LentBuffers, decode_handle, encode_handle, lend_handle
+        from rlnode.weights.ipc import LentBuffers, decode_handle, encode_handle, lend_handle
 
         if self.rank == 0:
             blob = torch.frombuffer(bytearray(encode_handle(lend_handle(buf))), dtype=torch.uint8)

@@ -186,7 +186,7 @@ def own_gpu_uuid(device) -> str:
     ``device`` is not cuda or CUDA is unavailable. Initialises CUDA."""
     import torch
 
-    from rlnode.weight_plan import indexed_device
+    from rlnode.weights.plan import indexed_device
 
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():

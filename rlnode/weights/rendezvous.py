@@ -39,7 +39,7 @@ random bytes per epoch) travels over the CURVE link only.
 
 Memory. A TCPStore keeps whatever is written to it, without limit. Rank
 0's server listens on loopback only; the rendezvous port belongs to a gate
-process (``rlnode.store_gate``) that relays to it and cuts a connection
+process (``rlnode.weights.store_gate``) that relays to it and cuts a connection
 past 4 MiB sent, or once all clients sent 64 MiB: that bounds what the
 store can hold. The gate stops once the transport is up, so after a group
 forms the port refuses.
@@ -66,12 +66,12 @@ from typing import TYPE_CHECKING
 
 from rlnode.addresses import ROUTE_PROBE, route_source
 from rlnode.log import get_logger
-from rlnode.weight_plan import GroupSpec, TransferError
+from rlnode.weights.plan import GroupSpec, TransferError
 
 if TYPE_CHECKING:
     import torch
 
-log = get_logger("rlnode.rendezvous")
+log = get_logger("rlnode.weights.rendezvous")
 
 SECRET_BYTES = 32
 # How long rank 0 waits for a valid proof of a rank after it saw an invalid
@@ -155,7 +155,7 @@ def _serve(host: str, port: int, listen_socket: socket.socket | None, timeout: t
     TCPStore's own server would). Returns (store, gate)."""
     import torch.distributed as dist
 
-    from rlnode.store_gate import GateProcess
+    from rlnode.weights.store_gate import GateProcess
 
     if listen_socket is None:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
