@@ -110,3 +110,18 @@ def test_config_module_imports_without_torch():
 
     code = "import sys, rlnode.config, rlnode.cli; sys.exit(int('torch' in sys.modules or 'vllm' in sys.modules))"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_rlnode_never_asks_the_model_hub():
+    """Models come from local paths: the CLI sets HF_HUB_OFFLINE (inherited
+    by the engine's processes) so a wrong model.path fails at once instead
+    of retrying the hub (it did: five retries of a relative path)."""
+    import subprocess
+    import sys
+
+    code = ("import os, rlnode.cli as c\n"
+            "os.environ.pop('HF_HUB_OFFLINE', None)\n"
+            "try:\n    c.main(['keygen', '--help'])\nexcept SystemExit:\n    pass\n"
+            "print('OFFLINE=' + os.environ.get('HF_HUB_OFFLINE', ''))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout
+    assert "OFFLINE=1" in out
