@@ -698,6 +698,14 @@ def groups_in_flight(cfg: Config) -> int:
     return s.max_groups_in_flight or max(1, -(-s.max_concurrent_episodes // s.attempts))
 
 
+def actor_node_id(cfg: Config) -> str:
+    """This actor's node id: actor.node_id, else the hostname ("/" is the
+    link identity's separator, so it never appears in one)."""
+    import os
+
+    return (cfg.actor.node_id or os.uname().nodename).replace("/", "-")
+
+
 def effective_max_lag(cfg: Config) -> int:
     """The staleness budget both roles apply: ``trainer.sync`` means 0 (train
     only on the current version; generation waits for each update)."""

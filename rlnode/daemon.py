@@ -16,7 +16,7 @@ import signal
 import sys
 from typing import Protocol
 
-from rlnode.config import Config, ConfigError
+from rlnode.config import Config, ConfigError, actor_node_id
 from rlnode.log import bind_context, get_logger
 
 log = get_logger("rlnode.daemon")
@@ -210,8 +210,7 @@ def agent_link_keys(cfg: Config, role: str) -> str:
         return ""
     if role == "actor" and not all(is_loopback(p.rpartition(":")[0].split("://")[-1]) for p in cfg.actor.peers):
         return ""
-    node = (cfg.actor.node_id or os.uname().nodename).replace("/", "-")
-    cfg.link.curve_dir = auto_keys(cfg.run.run_dir, cfg.link.key_name or node)
+    cfg.link.curve_dir = auto_keys(cfg.run.run_dir, cfg.link.key_name or actor_node_id(cfg))
     log.info("link.curve_auto", curve_dir=cfg.link.curve_dir, why="agent cubes run code on this node; "
              "loopback is no trust boundary", key="link.curve_dir")
     return cfg.link.curve_dir

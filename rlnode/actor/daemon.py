@@ -27,7 +27,7 @@ from rlnode.actor.gateway import Gateway
 from rlnode.actor.generation import LLMClient
 from rlnode.actor.router import AdmissionRouter
 from rlnode.actor.scheduler import Group, RolloutScheduler, VersionSource
-from rlnode.config import Config, effective_max_lag, groups_in_flight
+from rlnode.config import Config, actor_node_id, effective_max_lag, groups_in_flight
 from rlnode.aio import run_until_stopped, spawn
 from rlnode.cubes.base import Cube
 from rlnode.log import get_logger, set_version
@@ -89,7 +89,7 @@ class ActorDaemon:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.peers = cfg.actor.peers
-        self.node_id = (cfg.actor.node_id or os.uname().nodename).replace("/", "-")
+        self.node_id = actor_node_id(cfg)
         self.incarnation = secrets.token_hex(4)
         ecfg = cfg.actor.engine
         # The weight receiver runs inside each engine's worker processes; it

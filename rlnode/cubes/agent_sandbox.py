@@ -44,11 +44,10 @@ log = get_logger("rlnode.cubes.agent_sandbox")
 # Writable /tmp (and HOME) of one agent sandbox.
 TMP_BYTES = 256 * 2**20
 SOCKET_NAME = "gateway.sock"
-INSIDE_SOCKET_DIR = "/run/rlnode-gateway"
 
 # Runs as the sandbox's first process: python -I -S -c BOOTSTRAP SOCKET PORT ARGV...
 BOOTSTRAP = r"""
-import os, signal, socket, subprocess, sys, threading
+import socket, subprocess, sys, threading
 sock_path, port, argv = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
 srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -100,7 +99,6 @@ class GatewayRelay:
         self.host, self.port = parts.hostname or "127.0.0.1", parts.port or 80
         self.dir = ""
         self.socket = ""
-        self.connections = 0
         self._server: asyncio.AbstractServer | None = None
         self._pipes: set[asyncio.Task] = set()
 
@@ -123,7 +121,6 @@ class GatewayRelay:
         shutil.rmtree(self.dir, ignore_errors=True)
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.connections += 1
         task = asyncio.current_task()
         self._pipes.add(task)
         try:
@@ -193,7 +190,7 @@ async def check(requested: str, cube_id: str) -> None:
                   warning="agent commands and the tools they run have the daemon's user, files and network")
         return
     if not await isolation.works("bwrap", sys.executable):
-        why = isolation._why.get(("bwrap", sys.executable), "bwrap does not run here")
+        why = isolation.why_not("bwrap", sys.executable)
         raise ConfigError(f"cube {cube_id!r}: options.isolation = \"bwrap\" cannot run agents here ({why}): "
                          "install bubblewrap (apt-get install bubblewrap), or set options.isolation = \"none\" "
                          "to run them as the daemon's user")

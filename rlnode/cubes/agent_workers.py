@@ -141,10 +141,8 @@ class _Worker:
         child.close()
         self.pending: dict[int, asyncio.Future] = {}
         self.ready: asyncio.Future | None = None
-        self.dead = False
 
     def kill(self) -> None:
-        self.dead = True
         for sig_target in (lambda: os.killpg(self.proc.pid, signal.SIGKILL), self.proc.kill):
             try:
                 sig_target()

@@ -294,6 +294,11 @@ async def works(layer: Layer, exe: str) -> bool:
     return ok
 
 
+def why_not(layer: Layer, exe: str) -> str:
+    """Why ``layer`` failed its last probe for ``exe`` (after ``works``)."""
+    return _why.get((layer, exe), f"{layer} does not run here")
+
+
 async def choose(requested: Isolation, exe: str) -> Layer:
     """The layer for ``requested``, or SandboxUnavailable; logged once."""
     if requested == "none":

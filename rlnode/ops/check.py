@@ -27,7 +27,7 @@ import socket
 import sys
 from pathlib import Path
 
-from rlnode.config import Config
+from rlnode.config import Config, actor_node_id
 from rlnode.addresses import is_loopback as literal_loopback
 from rlnode.ops.findings import FAIL, OK, WARN, Finding
 from rlnode.ops.stack import check_stack, cuda_roles
@@ -274,7 +274,7 @@ def check_exposure(cfg: Config, role: str) -> list[Finding]:
         if role in ("trainer", "all"):
             need += ["trainer.key_secret"] + ([] if any((root / "authorized").glob("*.key")) else ["authorized/*.key"])
         if role in ("actor", "all"):
-            key = link.key_name or (cfg.actor.node_id or os.uname().nodename).replace("/", "-")
+            key = link.key_name or actor_node_id(cfg)
             need += [f for f in ("trainer.key", f"{key}.key_secret") if f not in need]
         missing = [f for f in need if "*" not in f and not (root / f).is_file()] + [f for f in need if "*" in f]
         out.append(Finding(FAIL, "link", f"{root}: missing {', '.join(missing)} (`rlnode keygen` makes them)")

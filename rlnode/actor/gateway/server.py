@@ -147,10 +147,10 @@ class Gateway:
         messages = [template_message(m, i) for i, m in enumerate(req.messages)]
         tools = req.tools or None
         tools_on = bool(tools) and tool_choice != "none"
-        covered = s.extends(messages, tools)
-        new = messages if covered is None else messages[covered:]
+        match = s.extends(messages, tools)
+        new = messages if match is None else messages[match.covered:]
         new_chars = sum(len(m["content"]) for m in new)
-        base_len = 0 if covered is None else len(s._ids)
+        base_len = 0 if match is None else len(match.ids)
         # Even at the tokenizer's longest token, this much text cannot fit:
         # refused without tokenizing (a 64 MiB body would hold the loop).
         if base_len + new_chars // self.renderer.max_token_chars > settings.max_model_len:
@@ -159,12 +159,12 @@ class Gateway:
                                     "-token context", code="context_length_exceeded", param="messages")
         try:
             if new_chars > TOKENIZE_INLINE_CHARS:  # long documents: tokenized off the event loop
-                prompt = await asyncio.to_thread(s.prompt_for, messages, tools, covered)
+                prompt = await asyncio.to_thread(s.prompt_for, messages, tools, match)
             else:
-                prompt = s.prompt_for(messages, tools, covered)
+                prompt = s.prompt_for(messages, tools, match)
         except (ValueError, TypeError) as e:  # the template rejected the conversation
             raise GatewayError(400, f"chat template: {e}", param="messages") from e
-        reset = covered is None and s._remembered_step >= 0
+        reset = match is None and s.has_history
         room = settings.max_model_len - len(prompt)
         if room < settings.min_completion_tokens:
             s.terminated = s.terminated or "context_limit"

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import secrets
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import msgspec
 from aiohttp import web
@@ -50,6 +50,17 @@ class ServedCall(msgspec.Struct):
     policy_version: int
     temperature: float
     history_reset: bool
+
+
+class HistoryMatch(NamedTuple):
+    """What a request extends, taken in one go: the newest answered call's
+    prompt + completion (``ids``), its completion, and how many of the
+    request's messages they cover. A call that finishes while this prompt is
+    tokenized (in a thread) replaces the session's history, not this."""
+
+    covered: int
+    ids: list[int]
+    last_completion: list[int]
 
 
 class GatewaySession:
@@ -101,29 +112,35 @@ class GatewaySession:
 
     # -- prompt ---------------------------------------------------------------
 
-    def extends(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> int | None:
-        """How many of ``messages`` the newest answered call already covers
-        (its history and reply), or None when the request does not extend it
-        (the history is then rendered afresh and counted as a reset).
+    @property
+    def has_history(self) -> bool:
+        """Whether a call was answered (a request that does not extend it is
+        a history reset)."""
+        return self._remembered_step >= 0
+
+    def extends(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> HistoryMatch | None:
+        """What of ``messages`` the newest answered call already covers (its
+        history and reply), or None when the request does not extend it (the
+        history is then rendered afresh and counted as a reset).
         Dict equality, element by element: no per-call re-serialisation."""
         n = len(self._history)
         if not n or (tools or []) != self._tools:
             return None
         if len(messages) > n and all(_same(a, b) for a, b in zip(messages, self._history)):
-            return n
+            return HistoryMatch(n, self._ids, self._last_completion)
         # Some SDKs (the Agents SDK) drop an empty assistant reply from
         # their history. The engine did produce that turn (an end of turn
         # token), so the prompt keeps it: still the exact extension.
         if self._empty_reply and len(messages) >= n and all(_same(a, b) for a, b in zip(messages, self._history[:-1])):
-            return n - 1
+            return HistoryMatch(n - 1, self._ids, self._last_completion)
         return None
 
     def prompt_for(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                   covered: int | None) -> list[int]:
-        """Prompt token ids for a request; ``covered`` is ``extends()``."""
+                   match: HistoryMatch | None) -> list[int]:
+        """Prompt token ids for a request; ``match`` is ``extends()``."""
         renderer = self.gateway.renderer
-        if covered is not None:
-            return self._ids + renderer.next_messages(self._last_completion, messages[covered:])
+        if match is not None:
+            return match.ids + renderer.next_messages(match.last_completion, messages[match.covered:])
         return renderer.render(messages, tools)
 
     def remember(self, step: int, messages: list[dict[str, Any]], tools, prompt: list[int], completion: list[int],
