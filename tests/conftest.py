@@ -6,12 +6,33 @@ from __future__ import annotations
 
 import os
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
 ROOT = Path(__file__).resolve().parents[1]
+
+# Every temporary file of the session, this process's and those of every
+# daemon, engine and agent it starts, goes into one directory of its own
+# (short: vLLM's unix socket paths must fit in 107 bytes). At the end it must
+# hold nothing but pytest's own tmp_path tree and torch's compile cache (a
+# cache by design, shared by runs): any other file, socket or directory left
+# there outlived the test that made it (``_no_file_outlives_the_session``).
+SESSION_TMP = tempfile.mkdtemp(prefix="rlt-")
+os.environ["TMPDIR"] = SESSION_TMP
+tempfile.tempdir = SESSION_TMP
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_file_outlives_the_session():
+    yield
+    import shutil
+
+    left = sorted(n for n in os.listdir(SESSION_TMP) if not n.startswith(("pytest-of-", "torchinductor_")))
+    shutil.rmtree(SESSION_TMP, ignore_errors=True)
+    assert not left, f"left in the temporary directory by the test session: {left[:20]}"
 
 
 @pytest.fixture(scope="session", autouse=True)

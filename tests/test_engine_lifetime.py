@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -21,6 +22,7 @@ import pytest
 
 from daemons import ROOT, Daemon, free_port
 from rlnode.actor import engine_guard
+from rlnode.actor.engine import SCRATCH_PREFIX, sweep_engine_scratch
 
 # The daemon is gone: every process of its session must follow within this.
 EXIT_DEADLINE_S = 30.0
@@ -93,6 +95,13 @@ def cleanup(d: Daemon, shm: set[str]) -> None:
     d.kill()  # SIGKILL to the whole process group, then reap the daemon
     for f in shm:
         Path(f).unlink(missing_ok=True)
+    for left in scratch_dirs(d.proc.pid):  # after a failure; the next engine start would sweep it
+        shutil.rmtree(left, ignore_errors=True)
+
+
+def scratch_dirs(daemon_pid: int) -> list[Path]:
+    """The engine scratch directories of a daemon (engine.make_engine_scratch)."""
+    return sorted(Path(tempfile.gettempdir()).glob(f"{SCRATCH_PREFIX}{daemon_pid}-*"))
 
 
 def has_engine_core(sid: int) -> bool:
@@ -179,11 +188,19 @@ def test_kill9_daemon_takes_its_engine_processes(tiny_model_dir, tmp_path):
         procs = session_pids(sid)
         assert any("EngineCor" in n for n in procs.values()), procs  # the engine runs in its own processes
         shm = shm_files(procs)
+        # vLLM's sockets are in the engine's scratch directory, not loose in /tmp.
+        [scratch] = scratch_dirs(d.proc.pid)
+        assert any(p.is_socket() for p in scratch.iterdir()), list(scratch.iterdir())
 
         d.proc.kill()  # kill -9: no shutdown code runs in the daemon
         d.proc.wait()
         took = assert_all_gone(sid, shm, "kill -9 of the daemon")
         print(f"engine processes gone {took:.1f} s after kill -9 of the daemon")
+        # Nothing ran at exit to remove it; the next engine start on this
+        # host does (its daemon's pid is gone), and leaves live ones alone.
+        assert scratch.is_dir()
+        assert sweep_engine_scratch(tempfile.gettempdir()) == [scratch.name]
+        assert not scratch.exists()
     finally:
         cleanup(d, shm)
 
@@ -219,6 +236,7 @@ def test_sigterm_during_engine_start(tiny_model_dir, tmp_path):
         assert stop_s < STOP_DEADLINE_S, f"the daemon took {stop_s:.1f} s to stop during its engine start"
         took = assert_all_gone(sid, shm, "the daemon stopped")
         print(f"daemon stopped {stop_s:.1f} s after SIGTERM, its session empty {took:.1f} s later")
+        assert scratch_dirs(sid) == []  # the abandoned start removed its scratch directory
     finally:
         cleanup(d, shm)
 
@@ -238,6 +256,7 @@ def test_engine_start_failure_leaves_no_process(tiny_model_dir, tmp_path):
         assert d.proc.wait(180) == 1, d.log_path.read_text()[-3000:]  # EXIT_FATAL
         took, left = wait_session_gone(sid, EXIT_DEADLINE_S)
         assert not left, f"still alive {EXIT_DEADLINE_S:.0f} s after the daemon failed: {left}"
+        assert scratch_dirs(sid) == []  # the failed start removed its scratch directory
     finally:
         cleanup(d, set())
 
@@ -279,3 +298,43 @@ async def test_an_engine_whose_core_died_turns_the_actor_red(tiny_model_dir, eng
         assert "EngineDeadError" in why
     finally:
         await eng.shutdown()
+
+
+def test_engine_scratch_is_private_swept_when_its_daemon_is_gone_and_fits_a_socket(monkeypatch):
+    """What make_engine_scratch and sweep_engine_scratch promise, without an
+    engine: vLLM's sockets and temporary files of one engine go into one
+    directory named after its daemon's pid; a directory whose daemon is gone
+    is removed at the next start, a running one's never; a parent directory
+    too long for vLLM's socket paths is refused with the way out."""
+    # Short: vLLM's socket paths must fit under it (tmp_path's do not).
+    tmp_path = Path(tempfile.mkdtemp(prefix="sc-"))
+    try:
+        _check_scratch(tmp_path, monkeypatch)
+    finally:
+        shutil.rmtree(tmp_path)
+
+
+def _check_scratch(tmp_path: Path, monkeypatch) -> None:
+    from rlnode.actor.engine import make_engine_scratch, scratch_env
+
+    monkeypatch.setenv("VLLM_RPC_BASE_PATH", str(tmp_path))
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / f"{SCRATCH_PREFIX}{dead.pid}-0-abc").mkdir()
+    (tmp_path / f"{SCRATCH_PREFIX}{dead.pid}-0-abc" / "sock").write_text("")
+    alive = tmp_path / f"{SCRATCH_PREFIX}1-0-def"  # pid 1 is always running
+    alive.mkdir()
+    other = tmp_path / "rlnode-enginexyz"
+    other.mkdir()
+    mine = make_engine_scratch(3)
+    assert Path(mine).parent == tmp_path and Path(mine).name.startswith(f"{SCRATCH_PREFIX}{os.getpid()}-3-")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([Path(mine).name, alive.name, other.name])
+    assert scratch_env(mine) == {"VLLM_RPC_BASE_PATH": mine, "TMPDIR": mine}
+    assert sweep_engine_scratch(str(tmp_path)) == []  # its own is not swept either
+
+    deep = tmp_path / ("d" * 80)
+    deep.mkdir()
+    monkeypatch.setenv("VLLM_RPC_BASE_PATH", str(deep))
+    with pytest.raises(ValueError, match="too long for vLLM's unix sockets.*TMPDIR or VLLM_RPC_BASE_PATH"):
+        make_engine_scratch(0)
+    assert list(deep.iterdir()) == []

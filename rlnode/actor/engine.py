@@ -131,16 +131,22 @@ _ENV_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
-def engine_process_env(gpus: list[int] | None, extra: dict[str, str] | None = None):
-    """``cuda_env(gpus)`` in os.environ while an engine is built (its
-    processes copy it), restored afterwards; nothing when ``gpus`` is None
-    (CPU). The environment is read and changed under one lock: another
-    build's temporary CUDA_VISIBLE_DEVICES is never mistaken for ours."""
-    if gpus is None:
+def engine_process_env(gpus: list[int] | None, extra: dict[str, str] | None = None,
+                       scratch: str | None = None):
+    """What an engine's processes need in their environment, in os.environ
+    while the engine is built (its processes copy it), restored afterwards:
+    ``cuda_env(gpus)`` on GPU hosts (nothing of it when ``gpus`` is None, on
+    CPU), ``extra`` where the operator has not set a value, and the
+    engine's scratch directory (``scratch_env``) when one is given. The
+    environment is read and changed under one lock: another build's
+    temporary CUDA_VISIBLE_DEVICES is never mistaken for ours."""
+    if gpus is None and scratch is None:
         yield
         return
     with _ENV_LOCK:
-        env = dict(cuda_env(gpus), **{k: v for k, v in (extra or {}).items() if k not in os.environ})
+        env = dict(cuda_env(gpus), **{k: v for k, v in (extra or {}).items() if k not in os.environ}) \
+            if gpus is not None else {}
+        env.update(scratch_env(scratch) if scratch is not None else {})
         log.info("engine.process_env", env=env)
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
@@ -152,6 +158,77 @@ def engine_process_env(gpus: list[int] | None, extra: dict[str, str] | None = No
                     os.environ.pop(k, None)
                 else:
                     os.environ[k] = v
+
+
+# vLLM's processes leave files behind in the temporary directory: a ZeroMQ
+# socket per IPC channel (``VLLM_RPC_BASE_PATH``/<uuid>, several per engine
+# start) and gloo's ``vllm_dist_<hex>`` rendezvous file. Nothing removes them
+# once a process is killed, and an engine's own shutdown does not remove them
+# all either: a host that restarts its actor for weeks fills /tmp with
+# thousands (3,000 were counted on one test machine). Each engine therefore
+# gets a scratch directory of its own, named after the daemon's pid, which
+# its processes use as RPC base path and TMPDIR; the engine removes it when
+# it has shut down, and an engine start removes those of daemons that are
+# gone (killed -9: nothing of theirs ran at exit).
+SCRATCH_PREFIX = "rlnode-engine-"
+# A unix socket's path is at most 107 bytes; vLLM appends "/<uuid4>" (37).
+_MAX_SOCKET_PATH = 107
+
+
+def scratch_env(scratch: str) -> dict[str, str]:
+    """The engine processes' environment for their scratch directory."""
+    return {"VLLM_RPC_BASE_PATH": scratch, "TMPDIR": scratch}
+
+
+def make_engine_scratch(engine_id: int) -> str:
+    """A new scratch directory for engine ``engine_id`` of this process,
+    under the operator's VLLM_RPC_BASE_PATH when set, else the temporary
+    directory. ValueError when vLLM's socket paths would not fit in it."""
+    import tempfile
+
+    tempfile.gettempdir()  # cached now, so our engine's TMPDIR never becomes this process's
+    parent = os.environ.get("VLLM_RPC_BASE_PATH") or tempfile.gettempdir()
+    sweep_engine_scratch(parent)
+    path = tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-{engine_id}-", dir=parent)
+    if len(os.fsencode(path)) + 37 > _MAX_SOCKET_PATH:
+        os.rmdir(path)
+        raise ValueError(f"engine scratch directory {path!r} is too long for vLLM's unix sockets "
+                         f"(at most {_MAX_SOCKET_PATH - 37} bytes): set TMPDIR or VLLM_RPC_BASE_PATH "
+                         f"to a shorter directory")
+    return path
+
+
+def sweep_engine_scratch(parent: str) -> list[str]:
+    """Remove the scratch directories under ``parent`` whose daemon is no
+    longer running (its pid is gone). Returns what was removed."""
+    import shutil
+
+    removed = []
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return removed
+    for name in names:
+        if not name.startswith(SCRATCH_PREFIX):
+            continue
+        pid = name[len(SCRATCH_PREFIX):].split("-", 1)[0]
+        if not pid.isdigit() or int(pid) == os.getpid() or _pid_alive(int(pid)):
+            continue
+        shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+        removed.append(name)
+    if removed:
+        log.info("engine.scratch_swept", removed=removed)
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return True
 
 
 def cuda_env(gpus: list[int]) -> dict[str, str]:
@@ -292,6 +369,8 @@ class Engine:
         # actor reports them so the trainer knows whether it may lend
         # weights by CUDA IPC (wire.EngineInfo.gpus).
         self.visible_gpus: tuple[str, ...] = ()
+        # Its processes' RPC sockets and temporary files (make_engine_scratch).
+        self.scratch: str | None = None
 
     async def start(self) -> None:
         if self.device == "cpu":
@@ -316,13 +395,19 @@ class Engine:
         # gone, however it went (kill -9 included): engine_guard.py.
         engine_guard.mark_owner()
         before = engine_guard.spawned_children()
+        scratch = self.scratch = await asyncio.to_thread(make_engine_scratch, self.engine_id)
+
         def build() -> AsyncLLM:
-            with engine_process_env(gpus, fp32_precision_env(self.cfg, self.model_cfg)):
+            with engine_process_env(gpus, fp32_precision_env(self.cfg, self.model_cfg), scratch):
                 return AsyncLLM.from_engine_args(args)
 
         building = asyncio.get_running_loop().run_in_executor(None, build)
         try:
             self.llm = await asyncio.shield(building)
+        except Exception:
+            # vLLM's client tears down the processes of a failed build.
+            await self._remove_scratch()
+            raise
         except asyncio.CancelledError:
             # The constructor cannot be interrupted, but the processes it
             # spawned can: without its engine core it fails within a second
@@ -478,6 +563,7 @@ class Engine:
             # Expected once its engine core was killed; vLLM's client tears
             # down the processes of a failed build itself.
             log.info("engine.start_abandoned", engine=self.engine_id, error=repr(e)[:200])
+            await self._remove_scratch()
             return
         await self._close(llm)
 
@@ -497,4 +583,13 @@ class Engine:
             # module globals are gone, and prints a TypeError. It is done (or
             # has failed, and the engine guard ends the processes with us).
             llm.shutdown = lambda timeout=None: None
+            await self._remove_scratch()
         log.info("engine.stopped", engine=self.engine_id, shutdown_s=round(time.monotonic() - t0, 2))
+
+    async def _remove_scratch(self) -> None:
+        """Remove the scratch directory, once the engine's processes are gone."""
+        scratch, self.scratch = self.scratch, None
+        if scratch is not None:
+            import shutil
+
+            await asyncio.to_thread(shutil.rmtree, scratch, True)
