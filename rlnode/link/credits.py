@@ -50,8 +50,10 @@ The protocol (messages in ``rlnode.wire``):
   holds (granted - delivered): a peer cannot report back credits it never
   had to make the ledger think its hands are empty. A delivery of this
   session counts against its credits only while it has one; more are
-  counted as ``uncredited`` (they still wait in ``waiting``). Each clamp is
-  counted (``clamped_reports``) and logged. So no peer ever holds more than
+  counted as ``uncredited`` (they still wait in ``waiting``). Each clamp an
+  honest actor never causes is counted (``clamped_reports``) and logged;
+  a want above the budget is normal (the actor has room for more) and is
+  capped quietly. So no peer ever holds more than
   its capped ``want`` credits, whatever it reports.
 * Limits, stated: groups started under an older session (a trainer
   restart), or by an actor that comes back after its credits were
@@ -186,7 +188,11 @@ class CreditLedger:
         want = min(max(0, r.want), self.max_want)
         started = min(r.started, p.granted)
         returned = min(r.returned, p.granted - p.delivered)
-        if (want, started, returned) != (r.want, r.started, r.returned):
+        # An actor that can run more groups than the budget wants more: its
+        # want is capped without a word. Only what no honest actor reports
+        # (a want past MAX_WANT or below 0, more started or returned than
+        # it holds) is an anomaly worth counting and logging.
+        if not 0 <= r.want <= MAX_WANT or (started, returned) != (r.started, r.returned):
             self.clamped_reports += 1
             if self.clamped_reports <= 10 or self.clamped_reports % 1000 == 0:
                 log.warning("credits.report_clamped", peer=peer_id, want=r.want, started=r.started,
