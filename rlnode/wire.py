@@ -15,6 +15,8 @@ from __future__ import annotations
 import numpy as np
 import msgspec
 
+from rlnode.weights.protocol import WeightCommand, WeightResult
+
 
 def pack_i32(values) -> bytes:
     return np.asarray(values, dtype="<i4").tobytes()
@@ -105,7 +107,9 @@ class TrainingSample(msgspec.Struct, array_like=True, omit_defaults=True, tag="s
 
 # Bumped only for changes an older peer cannot survive; appended defaulted
 # fields do not need a bump.
-PROTOCOL_VERSION = 1
+# 2: ControlRequest/ControlReply carry typed weight messages (weights.protocol)
+# instead of a kind string and a dict payload.
+PROTOCOL_VERSION = 2
 
 # Reject reasons (trainer -> actor). The actor acts on these strings.
 REJECT_REGISTER_FIRST = "register first"  # actor: re-register, then resend
@@ -203,12 +207,13 @@ class EvalReport(_Msg, tag="eval"):
 
 
 class ControlReply(_Msg, tag="creply"):
-    """actor -> trainer: the answer to one ``ControlRequest``."""
+    """actor -> trainer: the answer to one ``ControlRequest``: its result
+    when ``ok``, else why not (``error``)."""
 
     request_id: int
     ok: bool
     error: str = ""
-    payload: dict[str, float | int | str] = {}
+    result: WeightResult | None = None
 
 
 class CreditReport(_Msg, tag="credrep"):
@@ -278,19 +283,13 @@ class VersionUpdate(_Msg, tag="version"):
     version: int
 
 
-# ControlRequest payload values. msgspec allows one array type per union,
-# hence list[int | str] for "list of ranks" and "list of tensor names" alike.
-ControlValue = int | float | str | list[int | str]
-
-
 class ControlRequest(_Msg, tag="creq"):
     """trainer -> actor: a request the actor daemon must answer with a
-    ``ControlReply`` of the same ``request_id`` (e.g. weight-update
-    rendezvous; ``kind`` names the operation)."""
+    ``ControlReply`` of the same ``request_id``: one step of the weight
+    conversation (``rlnode.weights.protocol``)."""
 
     request_id: int
-    kind: str
-    payload: dict[str, ControlValue] = {}
+    command: WeightCommand
 
 
 ToTrainer = Register | Heartbeat | GroupDelivery | CommitQuery | ControlReply | EvalReport | CreditReport

@@ -19,6 +19,8 @@ from rlnode.actor.scheduler import Group
 from rlnode.config import LinkConfig
 from rlnode.cubes.base import CubeTaskRef
 from rlnode.link import ActorLink, LinkFatalError, PeerEvent, TrainerLink, keygen
+from rlnode.weights.plan import Bucket, GroupMember, GroupSpec, TensorMeta, WeightUpdatePlan
+from rlnode.weights.protocol import EpochJoined, JoinEpoch, LoadWeights, WeightsLoaded
 from rlnode.actor.scheduler import group_to_delivery
 from rlnode.wire import (
     REJECT_MALFORMED, REJECT_REGISTER_FIRST, Ack, Commit, ControlReply,
@@ -110,15 +112,23 @@ async def test_delivery_ack_commit_and_control(trainer, actor):
     trainer.set_version(3)
     assert await actor.next_control() == VersionUpdate(3)
 
+    # The weight conversation is typed end to end: the plan and the spec
+    # arrive as the Structs that were sent, not as strings to decode.
+    spec = GroupSpec(4, "127.0.0.1", 29500, 3, "gloo", (GroupMember("a1/0", 1), GroupMember("a1/1", 2)), secret="ab")
+    plan = WeightUpdatePlan(3, 4, (Bucket((TensorMeta("w", "float32", (2, 2), 0),), 64),), "gloo")
+
     async def answer():
-        req = await actor.next_control()
-        assert req == ControlRequest(req.request_id, "weights", {"ranks": [1, 2], "names": ["w"]})
-        assert actor.reply(ControlReply(req.request_id, True, payload={"load_s": 0.5, "engine": 0}))
+        for command, result in ((JoinEpoch(spec), EpochJoined(4)), (LoadWeights(plan), WeightsLoaded(3, 0.25))):
+            req = await actor.next_control()
+            assert req == ControlRequest(req.request_id, command)
+            assert actor.reply(ControlReply(req.request_id, True, result=result))
 
     responder = asyncio.create_task(answer())
-    reply = await trainer.request(peer_id, "weights", {"ranks": [1, 2], "names": ["w"]}, timeout_s=5)
+    reply = await trainer.request(peer_id, JoinEpoch(spec), timeout_s=5)
+    assert reply.ok and reply.result == EpochJoined(4)
+    reply = await trainer.request(peer_id, LoadWeights(plan), timeout_s=5)
     await responder
-    assert reply.ok and reply.payload == {"load_s": 0.5, "engine": 0}
+    assert reply.ok and reply.result == WeightsLoaded(3, 0.25)
 
     cubes = {"arith": {"episodes": 8, "success_rate": 0.25}}
     actor.report_eval(3, cubes)
@@ -216,11 +226,12 @@ async def test_malformed_frames_counted_and_trainer_keeps_serving():
             [ENC.encode(["nope", 1])],  # unknown tag
             [ENC.encode(Heartbeat("raw", 0)), b"extra"],  # wrong frame count
             [b"\x00" * 5000],  # over max_frame_bytes
+            [ENC.encode(["creply", 1, True, "", ["loaded", "3", 0.5]])],  # a weight result of the wrong type
         ]
         for frames in bad:
             await raw.send_multipart(frames)
-        await until(lambda: trainer.counters.malformed_frames == 6, what="malformed count")
-        assert trainer.counters.malformed_by_reason == {"decode": 4, "frame_count": 1, "oversize": 1}
+        await until(lambda: trainer.counters.malformed_frames == 7, what="malformed count")
+        assert trainer.counters.malformed_by_reason == {"decode": 5, "frame_count": 1, "oversize": 1}
         decoder = msgspec.msgpack.Decoder(ToActor)
         replies = [decoder.decode(await asyncio.wait_for(raw.recv(), 2)) for _ in bad]
         assert all(isinstance(r, Reject) and r.reason == REJECT_MALFORMED for r in replies)

@@ -13,7 +13,6 @@ unacknowledged groups for a while, closes cubes and stops engines.
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import os
 import secrets
@@ -31,6 +30,7 @@ from rlnode.config import Config, actor_node_id, effective_max_lag, groups_in_fl
 from rlnode.aio import run_until_stopped, spawn
 from rlnode.cubes.base import Cube
 from rlnode.log import get_logger, set_version
+from rlnode.weights.protocol import WeightCommand, WeightResult
 
 log = get_logger("rlnode.actor")
 
@@ -271,10 +271,10 @@ class ActorDaemon:
 
         fatal = None
         try:
-            payload = await self._handle(req.kind, req.payload)
-            reply = ControlReply(req.request_id, True, payload=payload)
+            result = await self._handle(req.command)
+            reply = ControlReply(req.request_id, True, result=result)
         except Exception as e:  # reported to the trainer; fatal here only if an engine is half-loaded
-            log.warning("control.failed", kind=req.kind, error=repr(e))
+            log.warning("control.failed", command=type(req.command).__name__, error=repr(e))
             reply = ControlReply(req.request_id, False, error=repr(e)[:500])
             fatal = e if isinstance(e, LoadError) else None
         self.link.reply(reply)
@@ -283,17 +283,20 @@ class ActorDaemon:
             # resumed): exit non-zero so the supervisor restarts the node.
             self._fatal.put_nowait(fatal)
 
-    async def _handle(self, kind: str, payload: dict) -> dict:
+    async def _handle(self, command: WeightCommand) -> WeightResult:
         from rlnode.actor.weight_receiver import apply_weight_update, join_group
-        from rlnode.weights.plan import LoadError, decode_plan, decode_spec
+        from rlnode.weights.plan import LoadError
+        from rlnode.weights.protocol import EpochJoined, JoinEpoch, LoadWeights, WeightsLoaded
 
-        if kind == "join_group":
-            spec = decode_spec(base64.b64decode(payload["spec"]))
+        if isinstance(command, JoinEpoch):
+            spec = command.spec
+            spec.validate()
             await asyncio.gather(*(join_group(e, spec, spec.member(f"{self.node_id}/{e.engine_id}").first_rank)
                                    for e in self.engines))
-            return {"epoch": spec.epoch}
-        if kind == "update_weights":
-            plan = decode_plan(base64.b64decode(payload["plan"]))
+            return EpochJoined(spec.epoch)
+        if isinstance(command, LoadWeights):
+            plan = command.plan
+            plan.validate()
             # The trainer's incarnation orders versions: the same trainer
             # never goes back; a restarted one may (its last checkpoint).
             source = self.link.trainer_incarnation or ""
@@ -306,8 +309,8 @@ class ActorDaemon:
             self.versions.set(plan.version)
             self.link.set_version(plan.version)
             set_version(plan.version)
-            return {"version": plan.version, "stalled_s": max(t.stalled_s for t in timings)}
-        raise ValueError(f"unknown control request {kind!r}")
+            return WeightsLoaded(plan.version, max(t.stalled_s for t in timings))
+        raise TypeError(f"no handler for {type(command).__name__}")  # a new command without its handler
 
     async def shutdown(self) -> None:
         from rlnode.cubes.registry import close_cubes

@@ -29,10 +29,11 @@ from rlnode.link import curve
 from rlnode.link.base import LinkError, PeerGone, send_nowait
 from rlnode.link.validate import GroupLimits, validate_group
 from rlnode.log import get_logger
+from rlnode.weights.protocol import WeightCommand
 from rlnode.wire import (
     PROTOCOL_VERSION, REJECT_BUSY, REJECT_IDENTITY, REJECT_INVALID_GROUP, REJECT_MALFORMED,
     REJECT_PROTOCOL, REJECT_REGISTER_FIRST, REJECT_UNKNOWN_GROUP, Ack, Commit, CommitQuery,
-    ControlReply, ControlRequest, ControlValue, CreditGrant, CreditReport, EngineInfo, EvalReport, GroupDelivery,
+    ControlReply, ControlRequest, CreditGrant, CreditReport, EngineInfo, EvalReport, GroupDelivery,
     Heartbeat, Register, Reject, ToActor, ToTrainer, VersionUpdate, Welcome,
 )
 from rlnode.link.consumed import ConsumedIds
@@ -393,8 +394,7 @@ class TrainerLink:
         for p in self._connected():
             self._send(p.peer_id, VersionUpdate(version))
 
-    async def request(self, peer_id: str, kind: str, payload: dict[str, ControlValue] | None = None,
-                      timeout_s: float = 30.0) -> ControlReply:
+    async def request(self, peer_id: str, command: WeightCommand, timeout_s: float = 30.0) -> ControlReply:
         """Send a ``ControlRequest`` and wait for its ``ControlReply``.
         Raises PeerGone (peer unknown, gone, or its queue full) or TimeoutError."""
         p = self._peers.get(peer_id)
@@ -404,7 +404,7 @@ class TrainerLink:
         fut = asyncio.get_running_loop().create_future()
         self._requests[rid] = (peer_id, fut)
         try:
-            if not self._send(peer_id, ControlRequest(rid, kind, payload or {})):
+            if not self._send(peer_id, ControlRequest(rid, command)):
                 raise PeerGone(f"cannot send to peer {peer_id!r}")
             return await asyncio.wait_for(fut, timeout_s)
         finally:

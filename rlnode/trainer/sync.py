@@ -6,10 +6,9 @@ actor joins or leaves, and pushing a version to every member while their
 engines keep generating. The bytes move through ``WeightBroadcaster``
 (torch.distributed); the requests and replies through ``TrainerLink``.
 
-The conversation, per actor (ControlRequest kinds; payloads carry the
-msgspec-encoded ``GroupSpec`` / ``WeightUpdatePlan`` as bytes):
-  "join_group"     {spec}  -> the actor's engines join epoch N (ranks given)
-  "update_weights" {plan}  -> the engines pause (keep), receive, load, resume
+The conversation, per actor (``rlnode.weights.protocol``):
+  JoinEpoch(spec)    -> the actor's engines join epoch N (ranks given)
+  LoadWeights(plan)  -> the engines pause (keep), receive, load, resume
 The trainer runs its own side (rendezvous / broadcast) in a thread at the
 same time. A member that fails or times out marks the epoch dirty: the next
 push forms a new epoch without it (and with anyone who joined) and sends
@@ -35,7 +34,6 @@ Must not train, and must not block the event loop.
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import time
 
@@ -43,7 +41,8 @@ from rlnode.link.base import LinkError
 from rlnode.link.trainer_link import TrainerLink
 from rlnode.log import get_logger
 from rlnode.trainer.weights import BroadcastStats, WeightBroadcaster, WeightGuard, update_tensors
-from rlnode.weights.plan import PlanMismatch, WeightUpdateError, WeightUpdatePlan, encode
+from rlnode.weights.plan import PlanMismatch, WeightUpdateError, WeightUpdatePlan
+from rlnode.weights.protocol import JoinEpoch, LoadWeights, WeightCommand
 
 log = get_logger("rlnode.trainer.sync")
 
@@ -194,17 +193,17 @@ class WeightPusher:
                  peers=len(self.members), bytes=plan.nbytes, push_s=round(push_s, 3),
                  agree_s=stats.agree_s, transfer_s=stats.transfer_s)
 
-    async def _converse(self, kind: str, payload: dict, own: asyncio.Future):
-        """Send ``kind`` to every member while the trainer's side (``own``)
+    async def _converse(self, command: WeightCommand, own: asyncio.Future):
+        """Send ``command`` to every member while the trainer's side (``own``)
         runs; returns ``own``'s result. When ``own`` fails its error is
         raised without waiting out the replies (a hung actor would hold the
         push for the whole request timeout; the epoch is unusable anyway),
         except after a vote against the plan: the receivers decided already,
         so their reasons are waited for (briefly) and named in the error.
         PushFailed names the members that failed after ``own`` completed."""
-        peers = list(self.members)
+        peers, kind = list(self.members), type(command).__name__
         replies = asyncio.gather(*(
-            self.link.request(pid, kind, payload, timeout_s=self.request_timeout_s) for pid in peers
+            self.link.request(pid, command, timeout_s=self.request_timeout_s) for pid in peers
         ), return_exceptions=True)
         try:
             try:
@@ -227,9 +226,8 @@ class WeightPusher:
         # Members are named "<node id>/<engine id>": how an actor finds its ranks.
         engines = [(f"{node}/{e.engine_id}", e.num_workers, e.host, e.gpus) for node, es in live.values() for e in es]
         spec = self.broadcaster.new_epoch(engines)
-        blob = base64.b64encode(encode(spec)).decode()  # the payload carries text, not bytes
         own = asyncio.ensure_future(self.broadcaster.open_group_async(spec))
-        await self._converse("join_group", {"spec": blob}, own)
+        await self._converse(JoinEpoch(spec), own)
         self.dirty = False
         log.info("weights.epoch", epoch=spec.epoch, world_size=spec.world_size, peers=list(live))
 
@@ -245,8 +243,7 @@ class WeightPusher:
         if not planned.done():
             own.result()  # failed before planning: raises
         plan = planned.result()
-        blob = base64.b64encode(encode(plan)).decode()
-        stats = await self._converse("update_weights", {"plan": blob}, own)
+        stats = await self._converse(LoadWeights(plan), own)
         return plan, stats, time.perf_counter() - t0
 
     def _read_and_broadcast(self, loop: asyncio.AbstractEventLoop,
