@@ -72,5 +72,12 @@ def test_bench_weights_runs_the_configured_job(tiny_model_dir, tmp_path):
     assert (res["backend"], res["backend_reason"]) == ("gloo", "weight_sync.backend = gloo")
     assert (res["trainer_device"], res["precision"], res["engine_device"]) == ("cpu", "fp32", "cpu")
     assert res["rounds"] == 1 and res["buckets"] >= 1 and res["update_s"] > 0
+    # The receive is explained: its parts are measured, none negative, and
+    # they are parts of it (one round: no medians in between; the job starts
+    # while its RPC returns, so the two may overlap by that return trip).
+    split = {k: res[f"receive_{k}"] for k in ("rpc_s", "vote_s", "alloc_s", "transfer_s", "poll_s")}
+    assert all(v >= 0 for v in split.values()) and split["transfer_s"] > 0 and split["vote_s"] > 0, split
+    assert sum(split.values()) <= res["receive_s"] + 0.02, (split, res["receive_s"])
+    assert res["trainer_rss_mib_first"] > 100 and res["engine_rss_mib_first"] > 100
     assert res["max_abs_logprob_diff_after_update"] < 1e-3
     assert 0 <= res["max_abs_logprob_diff_before_update"] < 1e-3

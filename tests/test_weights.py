@@ -370,3 +370,28 @@ def test_only_the_rotary_reload_warning_is_dropped(caplog):
         logger.warning("%s: Failed to load weights", "RotaryEmbedding")
         logger.warning("%s: Failed to load weights", "QKVParallelLinear")
     assert [r.getMessage() for r in caplog.records] == ["QKVParallelLinear: Failed to load weights"]
+
+
+@pytest.mark.engine
+async def test_memory_stays_flat_over_200_pushes(rig):
+    """Peers have leaked GiBs per weight sync until they ran out of memory.
+    200 pushes on one group: the resident memory of the trainer (this
+    process) and of the engine's processes after push 20 (every buffer,
+    group and allocator pool exists by then) and after push 200 differ by
+    less than a few models' bytes; a push that kept one buffer per update
+    would add 180 models' worth."""
+    from rlnode.bench.weights import rss_mib
+
+    if rig.tied:
+        pytest.skip("the untied model covers it: the push path is the same")
+    marks = {}
+    for i in range(1, 201):
+        plan, _, _ = await _push(rig, rig.version + 1)
+        if i in (20, 200):
+            marks[i] = (rss_mib(), await asyncio.to_thread(rss_mib, rig.engine))
+    model_mib = plan.nbytes / 2**20
+    grown = [marks[200][k] - marks[20][k] for k in (0, 1)]
+    print(f"model {model_mib:.1f} MiB; resident after push 20 -> 200: trainer {marks[20][0]:.0f} -> "
+          f"{marks[200][0]:.0f} MiB, engine {marks[20][1]:.0f} -> {marks[200][1]:.0f} MiB")
+    assert all(g < 4 * model_mib + 16 for g in grown), (grown, model_mib)
+    assert (await _max_logprob_diff(rig, rig.hf))[0] < 1e-4  # still serving exactly what was sent

@@ -88,6 +88,21 @@ class WeightsBenchResult(msgspec.Struct):
     # Engine vs transformers on the weights both loaded from disk: the floor
     # the update must not raise (on CUDA, kernel differences; DESIGN §10).
     max_abs_logprob_diff_before_update: float = -1.0
+    # Resident memory (MiB) of the trainer (this process) and of the
+    # engine's processes (core + workers), after the first update (buffers
+    # and groups exist by then) and after the last: a push that leaks shows
+    # here as growth, rounds after rounds (peers have leaked GiBs per sync).
+    # receive_s, split (UpdateTimings.receive_*): the RPC that starts it,
+    # the plan vote, staging allocation, the broadcasts, and the poll's lag.
+    receive_rpc_s: float = 0.0
+    receive_vote_s: float = 0.0
+    receive_alloc_s: float = 0.0
+    receive_transfer_s: float = 0.0
+    receive_poll_s: float = 0.0
+    trainer_rss_mib_first: float = 0.0
+    trainer_rss_mib_last: float = 0.0
+    engine_rss_mib_first: float = 0.0
+    engine_rss_mib_last: float = 0.0
 
 
 def bench_config(overrides: list[str]) -> Config:
@@ -255,6 +270,23 @@ async def _logprob_diff(engine: Engine, hf, prompts: list[list[int]]) -> float:
     return worst
 
 
+def rss_mib(engine: Engine | None = None) -> float:
+    """Resident memory (MiB) of this process, or with ``engine``, of that
+    engine's processes (the children this process spawned for it)."""
+    import psutil
+
+    if engine is None:
+        return psutil.Process().memory_info().rss / 2**20
+    total = 0
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.name().startswith("VLLM::"):
+                total += p.memory_info().rss
+        except psutil.Error:
+            pass
+    return total / 2**20
+
+
 async def bench_weights(cfg: Config, model_path: str, *, rounds: int = 5, in_flight: int = 8,
                         warm_s: float = 0.5, log=print) -> WeightsBenchResult:
     """Run ``rounds`` in-flight updates of ``model_path`` on one fresh
@@ -289,10 +321,12 @@ async def bench_weights(cfg: Config, model_path: str, *, rounds: int = 5, in_fli
         await asyncio.gather(*(engine.generate(p, SamplingSettings(max_tokens=64, seed=i, ignore_eos=True))
                                for i, p in enumerate(prompts)))
         before = await _logprob_diff(engine, hf, prompts[:4])
-        runs = []
+        runs, memory = [], []
         for version in range(1, rounds + 1):
             runs.append(await _one_update(engine, bc, hf, version, prompts, warm_s))
-            log(f"update {version}: {runs[-1][0]:.3f} s (stall {runs[-1][1].stalled_s:.3f} s)")
+            memory.append((rss_mib(), await asyncio.to_thread(rss_mib, engine)))
+            log(f"update {version}: {runs[-1][0]:.3f} s (stall {runs[-1][1].stalled_s:.3f} s), "
+                f"rss trainer {memory[-1][0]:.0f} MiB, engine {memory[-1][1]:.0f} MiB")
         diff = await _logprob_diff(engine, hf, prompts[:4])
     finally:
         if bc is not None:
@@ -308,12 +342,15 @@ async def bench_weights(cfg: Config, model_path: str, *, rounds: int = 5, in_fli
     return WeightsBenchResult(
         model=model_path, params=params, nbytes=plan.nbytes, buckets=len(plan.buckets), rounds=rounds,
         update_s=update_s, raw_broadcast_s=raw, overhead_ratio=update_s / raw,
-        receive_s=med("receive_s"), load_s=med("load_s"), generation_stall_s=med("stalled_s"),
+        receive_s=med("receive_s"), load_s=med("load_s"),
+        **{f"receive_{k}": med(f"receive_{k}") for k in ("rpc_s", "vote_s", "alloc_s", "transfer_s", "poll_s")}, generation_stall_s=med("stalled_s"),
         max_token_gap_s=statistics.median(r[3] for r in runs),
         usual_token_gap_s=statistics.median([g for r in runs for g in r[4]] or [0.0]),
         max_abs_logprob_diff_after_update=diff, rounds_update_s=[round(r[0], 4) for r in runs],
         backend=spec.backend, backend_reason=bc.backend_reason, trainer_device=str(device),
-        precision=t.precision, engine_device=engine.device, max_abs_logprob_diff_before_update=before)
+        precision=t.precision, engine_device=engine.device, max_abs_logprob_diff_before_update=before,
+        trainer_rss_mib_first=round(memory[0][0], 1), trainer_rss_mib_last=round(memory[-1][0], 1),
+        engine_rss_mib_first=round(memory[0][1], 1), engine_rss_mib_last=round(memory[-1][1], 1))
 
 
 def print_table(res: WeightsBenchResult) -> None:
@@ -325,6 +362,11 @@ def print_table(res: WeightsBenchResult) -> None:
     rows = [
         ("update (trainer -> engine resumed)", res.update_s),
         ("  engine: receive into staging", res.receive_s),
+        ("    start RPC", res.receive_rpc_s),
+        ("    plan vote", res.receive_vote_s),
+        ("    staging allocation", res.receive_alloc_s),
+        ("    broadcasts (wait + bytes + copies)", res.receive_transfer_s),
+        ("    job done -> driver saw it", res.receive_poll_s),
         ("  engine: load while paused", res.load_s),
         ("raw gloo broadcast (CPU), same buckets", res.raw_broadcast_s),
         ("generation stall (pause -> resume)", res.generation_stall_s),
@@ -333,6 +375,9 @@ def print_table(res: WeightsBenchResult) -> None:
     ]
     for name, value in rows:
         print(f"  {name:<38}{value:>10.4f} s")
+    print(f"  resident memory after update 1 -> {res.rounds}: trainer {res.trainer_rss_mib_first:.0f} -> "
+          f"{res.trainer_rss_mib_last:.0f} MiB, engine processes {res.engine_rss_mib_first:.0f} -> "
+          f"{res.engine_rss_mib_last:.0f} MiB")
     print(f"  overhead_ratio = {res.overhead_ratio:.2f}   "
           f"max |logprob engine - transformers| before update = {res.max_abs_logprob_diff_before_update:.2e}, "
           f"after = {res.max_abs_logprob_diff_after_update:.2e}")
