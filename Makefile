@@ -18,6 +18,9 @@ EXTRA ?= cpu
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(EXTRA)
+# Test files run on this many workers at once (pytest-xdist; 0: in this
+# process, one after another). Each worker starts its own shared engine.
+TEST_WORKERS ?= 2
 export VLLM_CONFIGURE_LOGGING ?= 0
 
 .PHONY: setup cpu-only test-deps test demo bench-router gpu-check clean
@@ -52,7 +55,7 @@ cpu-only:
 
 test: cpu-only setup test-deps
 	$(BIN)/lint-imports --no-cache --no-logo
-	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=30 tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --durations=30 tests
 
 # The terminal shows a progress line per step and the final table;
 # runs/demo/metrics.jsonl has every number. Drop the two log settings for

@@ -22,6 +22,10 @@ REQS="cube-standard==$CUBE_STANDARD_VERSION arithmetic-cube==$ARITHMETIC_CUBE_VE
 REQS="$(echo $REQS)"  # squeeze whitespace so the stamp compares stably
 STAMP="$VENV/.rlnode-installed"
 
+# One build at a time: the test suite's workers may all ask at once.
+exec 9>"$VENV.lock"
+flock 9
+
 is_py312() { "$1" -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; }
 
 find_python() {

@@ -4,6 +4,7 @@ engine start costs ~20 s on a 2-core machine."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import tempfile
@@ -20,9 +21,26 @@ ROOT = Path(__file__).resolve().parents[1]
 # hold nothing but pytest's own tmp_path tree and torch's compile cache (a
 # cache by design, shared by runs): any other file, socket or directory left
 # there outlived the test that made it (``_no_file_outlives_the_session``).
-SESSION_TMP = tempfile.mkdtemp(prefix="rlt-")
+# Under pytest-xdist every worker has its own (beside the others, not inside
+# the controller's: paths stay short).
+_TMP_ROOT = os.environ.setdefault("RLNODE_TEST_TMP_ROOT", tempfile.gettempdir())
+SESSION_TMP = tempfile.mkdtemp(prefix="rlt-", dir=_TMP_ROOT)
 os.environ["TMPDIR"] = SESSION_TMP
 tempfile.tempdir = SESSION_TMP
+
+
+_EXPECTED = ("pytest-of-", "torchinductor_")
+
+
+def pytest_unconfigure(config):
+    # The xdist controller runs no test and no session fixture: its
+    # directory holds only pytest's tree (the workers' tmp_path live in it)
+    # and goes here. A worker's is gone by now.
+    import shutil
+
+    with contextlib.suppress(OSError):
+        if all(n.startswith(_EXPECTED) for n in os.listdir(SESSION_TMP)):
+            shutil.rmtree(SESSION_TMP)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -30,7 +48,7 @@ def _no_file_outlives_the_session():
     yield
     import shutil
 
-    left = sorted(n for n in os.listdir(SESSION_TMP) if not n.startswith(("pytest-of-", "torchinductor_")))
+    left = sorted(n for n in os.listdir(SESSION_TMP) if not n.startswith(_EXPECTED))
     shutil.rmtree(SESSION_TMP, ignore_errors=True)
     assert not left, f"left in the temporary directory by the test session: {left[:20]}"
 
