@@ -27,7 +27,7 @@ from rlnode.cubes.base import CubeTaskRef
 from rlnode.aio import spawn
 from rlnode.link import ActorLink, LinkFatalError, TrainerLink
 from rlnode.link.credits import MAX_WANT, CreditLedger
-from rlnode.link.trainer_link import MAX_RANKS_PER_NODE
+from rlnode.link.peers import MAX_RANKS_PER_NODE
 from rlnode.actor.scheduler import group_to_delivery
 from rlnode.wire import (
     REJECT_INVALID_GROUP, REJECT_PROTOCOL, CreditReport, EngineInfo, GroupDelivery, Register, Reject, ToActor,

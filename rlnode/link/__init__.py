@@ -3,6 +3,8 @@ msgspec messages from ``rlnode.wire``, acknowledged group delivery,
 heartbeats, optional CurveZMQ authentication.
 
     trainer_link.TrainerLink   the trainer's end: peer table, dedup, acks, commits
+    peers                      what a node may register as; the peer table's records
+    zap                        the trainer's CurveZMQ handler: which key connects as which node
     actor_link.ActorLink       an actor's end: outbox kept until commit, resends
     curve                      key files (``rlnode keygen DIR``) and socket options
 
@@ -18,7 +20,8 @@ from __future__ import annotations
 from rlnode.link.actor_link import ActorLink, ActorLinkCounters
 from rlnode.link.base import DEFAULT_MAX_FRAME_BYTES, LinkError, LinkFatalError, PeerGone, send_nowait
 from rlnode.link.curve import keygen
-from rlnode.link.trainer_link import PeerEvent, PeerInfo, TrainerLink, TrainerLinkCounters
+from rlnode.link.peers import PeerEvent, PeerInfo, TrainerLinkCounters
+from rlnode.link.trainer_link import TrainerLink
 
 __all__ = [
     "ActorLink", "ActorLinkCounters", "DEFAULT_MAX_FRAME_BYTES", "LinkError", "LinkFatalError", "PeerEvent",

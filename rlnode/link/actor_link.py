@@ -121,7 +121,7 @@ class ActorLink:
         self.node_id = node_id
         self.incarnation = incarnation or secrets.token_hex(8)
         if not re.fullmatch(r"[0-9A-Za-z]{1,64}", self.incarnation):
-            # The trainer refuses it (rlnode.link.trainer_link.INCARNATION): a '-'
+            # The trainer refuses it (rlnode.link.peers.INCARNATION): a '-'
             # would let group-id prefixes of two nodes collide.
             raise ValueError(f"incarnation must be 1-64 letters and digits: {self.incarnation!r}")
         self.identity = f"{node_id}/{self.incarnation}".encode()

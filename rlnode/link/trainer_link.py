@@ -13,127 +13,32 @@ from __future__ import annotations
 import asyncio
 import copy
 import itertools
-import re
 import secrets
 import time
-from typing import Iterable, Literal
+from typing import Iterable
 
 import msgspec
 import zmq
 import zmq.asyncio
-from zmq.auth.asyncio import AsyncioAuthenticator
-from zmq.utils import z85
 
 from rlnode.config import LinkConfig
 from rlnode.link import curve
 from rlnode.link.base import LinkError, PeerGone, send_nowait
+from rlnode.link.peers import PeerEvent, PeerInfo, TrainerLinkCounters, foreign_group_id, register_problem
 from rlnode.link.validate import GroupLimits, validate_group
+from rlnode.link.zap import NodeAuthenticator, user_id
 from rlnode.log import get_logger
 from rlnode.weights.protocol import WeightCommand
 from rlnode.wire import (
     PROTOCOL_VERSION, REJECT_BUSY, REJECT_IDENTITY, REJECT_INVALID_GROUP, REJECT_MALFORMED,
     REJECT_PROTOCOL, REJECT_REGISTER_FIRST, REJECT_UNKNOWN_GROUP, Ack, Commit, CommitQuery,
-    ControlReply, ControlRequest, CreditGrant, CreditReport, EngineInfo, EvalReport, GroupDelivery,
+    ControlReply, ControlRequest, CreditGrant, CreditReport, EvalReport, GroupDelivery,
     Heartbeat, Register, Reject, ToActor, ToTrainer, VersionUpdate, Welcome,
 )
 from rlnode.link.consumed import ConsumedIds
 from rlnode.link.credits import CreditLedger
 
 log = get_logger("rlnode.link.trainer")
-
-# What one node may announce in its Register. The weight epoch's world size
-# is 1 + every connected engine's workers, and the trainer waits for that
-# many ranks: an authenticated node that claims thousands of workers would
-# make every epoch time out. The bounds sit far above any real node (a GPU
-# node holds up to 16 GPUs: engines x tensor_parallel_size <= 16).
-MAX_ENGINES_PER_NODE = 64
-MAX_WORKERS_PER_ENGINE = 64  # an engine's tensor-parallel ranks
-MAX_RANKS_PER_NODE = 64  # summed over a node's engines
-MAX_GPUS_PER_ENGINE = 64  # EngineInfo.gpus entries
-# An actor incarnation is a token (ActorLink: hex). Without '-' a group id
-# f"{node}-{incarnation}-g{index}" names exactly one (node, incarnation):
-# a free-form incarnation "x-y" would make node "n" collide with node "n-x".
-INCARNATION = re.compile(r"[0-9A-Za-z]{1,64}")
-# The scheduler's group ids (rlnode.actor.scheduler: f"{prefix}g{index:07d}",
-# prefix f"{node}-{incarnation}-"): the trainer accepts one only from the
-# incarnation it names, so no peer can deliver (and so void) another's ids.
-SCHEDULER_GROUP_ID = re.compile(r"^(.+)-([0-9A-Za-z]{1,64})-g(\d+)$")
-
-
-def register_problem(msg: Register) -> str:
-    """What in an actor's Register breaks the trainer's rules ("" = none)."""
-    if "/" in msg.node_id:
-        return f"node_id {msg.node_id[:80]!r} contains '/'"
-    if not INCARNATION.fullmatch(msg.incarnation):
-        return f"incarnation {msg.incarnation[:80]!r} is not 1-64 letters and digits"
-    engines = msg.engines
-    if len(engines) > MAX_ENGINES_PER_NODE:
-        return f"{len(engines)} engines > {MAX_ENGINES_PER_NODE}"
-    if len({e.engine_id for e in engines}) != len(engines) or any(e.engine_id < 0 for e in engines):
-        return "engine ids must be distinct and >= 0"
-    if any(not 1 <= e.num_workers <= MAX_WORKERS_PER_ENGINE for e in engines):
-        return f"an engine's num_workers outside 1..{MAX_WORKERS_PER_ENGINE}"
-    if (ranks := sum(e.num_workers for e in engines)) > MAX_RANKS_PER_NODE:
-        return f"{ranks} worker ranks > {MAX_RANKS_PER_NODE}"
-    if any(len(e.gpus) > MAX_GPUS_PER_ENGINE for e in engines):
-        return f"an engine lists more than {MAX_GPUS_PER_ENGINE} GPUs"
-    return ""
-
-
-def foreign_group_id(group_id: str, node_id: str, incarnation: str) -> bool:
-    """A scheduler-shaped id that names another node or incarnation."""
-    m = SCHEDULER_GROUP_ID.match(group_id)
-    return m is not None and (m.group(1), m.group(2)) != (node_id, incarnation)
-
-
-class PeerInfo(msgspec.Struct):
-    """One actor link as the trainer sees it (``peers()`` returns copies)."""
-
-    peer_id: str  # "node_id/incarnation", the actor's ZeroMQ identity
-    node_id: str
-    incarnation: str
-    engines: list[EngineInfo]
-    last_seen: float  # wall clock (time.time()) of its last valid frame
-    version: int  # policy version its engines hold (from its heartbeats)
-    connected: bool  # registered and heard from within peer_timeout_s
-    stats: dict[str, float] = {}  # its last heartbeat's stats
-    groups: int = 0  # groups accepted from it
-    user_id: str = ""  # name of the authorized key it authenticated with (= node_id); "" without curve
-
-
-class PeerEvent(msgspec.Struct):
-    kind: Literal["joined", "left"]
-    peer_id: str
-    node_id: str
-    incarnation: str
-    reason: str = ""  # left: "timeout" | "replaced" (same node, new incarnation) | "closed" | "revoked"
-
-
-class TrainerLinkCounters(msgspec.Struct):
-    frames_in: int = 0
-    malformed_frames: int = 0  # undecodable, wrong frame count or oversize
-    unexpected_frames: int = 0  # valid, but not in this peer's state (answered with Reject)
-    registrations: int = 0
-    groups_accepted: int = 0
-    samples_accepted: int = 0
-    duplicates: int = 0  # group ids already buffered or consumed: dropped, still acked
-    id_collisions: int = 0  # duplicates from a node other than the first sender (group ids not unique!)
-    invalid_groups: int = 0  # well-formed deliveries with inconsistent content: rejected
-    busy_rejects: int = 0  # deliveries refused while max_buffered_groups were buffered
-    acks_sent: int = 0
-    eval_reports: int = 0
-    commits_sent: int = 0  # group ids committed to their actor
-    send_failures: int = 0  # messages ZeroMQ did not take (peer queue at HWM, peer gone)
-    auth_denied: int = 0  # CURVE handshakes with a key not in authorized/ (ZAP denials)
-    identity_mismatch: int = 0  # frames claiming a node id other than their key's name: rejected
-    revoked: int = 0  # connected peers dropped because their key left authorized/
-    peers_joined: int = 0
-    peers_left: int = 0
-    malformed_by_reason: dict[str, int] = {}
-    invalid_by_reason: dict[str, int] = {}  # rlnode.link.validate reason names, "node_id" and "group_id"
-    registers_refused: int = 0  # Registers that break register_problem's rules (answered with Reject)
-    handler_errors: int = 0  # a message handler raised (a trainer bug): contained, counted, logged
-
 
 class TrainerLink:
     """The trainer's ROUTER. One per trainer process; actors connect to it.
@@ -210,7 +115,7 @@ class TrainerLink:
         self._encoder = msgspec.msgpack.Encoder()
         self._ctx: zmq.asyncio.Context | None = None
         self._sock: zmq.asyncio.Socket | None = None
-        self._auth: AsyncioAuthenticator | None = None
+        self._auth: NodeAuthenticator | None = None
         self._keyring: curve.KeyRing | None = None
         self._authorized: set[str] = set()  # node ids with a key in authorized/ at the last scan
         # Listening beyond loopback without authentication (link.insecure).
@@ -236,7 +141,7 @@ class TrainerLink:
             if self.link.curve_dir:
                 self._keyring = curve.KeyRing(self.link.curve_dir)
                 self._authorized = set(self._keyring.names().values())
-                self._auth = _NodeAuthenticator(self._ctx, self._keyring, self.counters)
+                self._auth = NodeAuthenticator(self._ctx, self._keyring, self.counters)
                 self._auth.start()
                 curve.apply_server(sock, self.link.curve_dir)
                 # No handover with keys: a routing id (node/incarnation) stays
@@ -437,7 +342,7 @@ class TrainerLink:
         if len(frames) != 2:
             return self._malformed(peer_id, "frame_count", f"{len(frames) - 1} frames, expected 1")
         body = frames[1]
-        if self._keyring is not None and (key := _user_id(body)) != peer_id.split("/", 1)[0]:
+        if self._keyring is not None and (key := user_id(body)) != peer_id.split("/", 1)[0]:
             return self._impostor(peer_id, key)
         if len(body) > self.max_frame_bytes:
             return self._malformed(peer_id, "oversize", f"{len(body)} bytes > {self.max_frame_bytes}")
@@ -449,7 +354,7 @@ class TrainerLink:
             return self._malformed(peer_id, "decode", f"{type(e).__name__}: {e}")
         peer = self._peers.get(peer_id)
         if isinstance(msg, Register):
-            return self._on_register(peer_id, msg, _user_id(body))
+            return self._on_register(peer_id, msg, user_id(body))
         if peer is None or not peer.connected:
             return self._unexpected(peer_id, REJECT_REGISTER_FIRST, type(msg).__name__,
                                     [msg.group_id] if isinstance(msg, GroupDelivery) else [])
@@ -498,7 +403,7 @@ class TrainerLink:
 
     # ---- message handlers --------------------------------------------------
 
-    def _on_register(self, peer_id: str, msg: Register, user_id: str) -> None:
+    def _on_register(self, peer_id: str, msg: Register, key_name: str) -> None:
         if msg.protocol_version != PROTOCOL_VERSION:
             return self._unexpected(peer_id, REJECT_PROTOCOL,
                                     f"actor speaks {msg.protocol_version}, trainer {PROTOCOL_VERSION}")
@@ -521,7 +426,7 @@ class TrainerLink:
             self.credits.forget(other.peer_id)  # its credits died with that process
         peer = PeerInfo(peer_id, msg.node_id, msg.incarnation, msg.engines, time.time(),
                         old.version if old else 0, True, old.stats if old else {},
-                        old.groups if old else 0, user_id)
+                        old.groups if old else 0, key_name)
         self._peers[peer_id] = peer
         self._seen[peer_id] = time.monotonic()
         self.counters.registrations += 1
@@ -531,7 +436,7 @@ class TrainerLink:
             self.counters.peers_joined += 1
             self.events.put_nowait(PeerEvent("joined", peer_id, msg.node_id, msg.incarnation))
             log.info("link.peer.joined", peer=peer_id, engines=[(e.engine_id, e.num_workers) for e in msg.engines],
-                     key=user_id or None)
+                     key=key_name or None)
 
     def _on_group(self, peer: PeerInfo, g: GroupDelivery) -> None:
         c, gid = self.counters, g.group_id
@@ -740,52 +645,3 @@ def _bind_host(endpoint: str) -> str:
     if not endpoint.startswith("tcp://"):
         return "127.0.0.1"
     return endpoint[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
-
-
-def _user_id(frame: zmq.Frame) -> str:
-    """The node id (authorized key name) the ZAP handler bound this
-    connection to; "" without CURVE."""
-    try:
-        return frame.get("User-Id") or ""
-    except (zmq.ZMQError, AttributeError):
-        return ""
-
-
-class _NodeAuthenticator(AsyncioAuthenticator):
-    """ZAP handler: accepts a CURVE key iff ``authorized/NAME.key`` holds it
-    at handshake time (the folder is read for every handshake) and gives the
-    connection User-Id NAME, which every frame from it then carries."""
-
-    def __init__(self, ctx: zmq.asyncio.Context, keyring: curve.KeyRing, counters: TrainerLinkCounters):
-        super().__init__(ctx, log=_ZapLog(counters))
-        self.keyring = keyring
-        self._names: dict[bytes, str] = {}
-        self.configure_curve_callback("*", self)
-
-    def callback(self, domain: str, z85_key: bytes) -> bool:
-        self._names = self.keyring.names()
-        return z85_key in self._names
-
-    def curve_user_id(self, client_public_key: bytes) -> str:
-        # Called right after callback() accepted this key, same handshake.
-        return self._names[z85.encode(client_public_key)]
-
-
-class _ZapLog:
-    """pyzmq's authenticator reports through a stdlib-style logger; count
-    its denials and turn them into structured events (rate-limited: a
-    rejected actor retries every second or so)."""
-
-    def __init__(self, counters: TrainerLinkCounters):
-        self.counters = counters
-
-    def debug(self, msg: str, *args) -> None:
-        # Every ZAP answer passes through "ZAP reply code=%s text=%s".
-        if msg.startswith("ZAP reply") and args and args[0] != b"200":
-            n = self.counters.auth_denied = self.counters.auth_denied + 1
-            if n <= 10 or n % 100 == 0:
-                reason = args[1].decode("utf-8", "replace") if len(args) > 1 else ""
-                log.warning("link.trainer.auth_denied", reason=reason, total=n)
-
-    def error(self, msg: str, *args) -> None:
-        log.error("link.trainer.zap_error", detail=(msg % args)[:200])
