@@ -26,7 +26,8 @@ from rlnode.config import load_config
 from rlnode.tiny_model import build_tiny_model
 from rlnode.trainer.buffer import Batch
 from rlnode.trainer.learner import Learner
-from rlnode.trainer.parallel import RankGroup, split_samples
+from rlnode.trainer.parallel import RankGroup
+from rlnode.trainer.rank import split_samples
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
