@@ -442,7 +442,7 @@ def test_closing_the_weight_group_waits_for_a_broadcast_in_flight(monkeypatch):
 
     import torch
 
-    import rlnode.trainer.weights as W
+    import rlnode.weights.broadcast as W
     from rlnode.config import WeightSyncConfig
 
     class Comm:

@@ -134,7 +134,7 @@ def test_push_gathers_full_tensors_in_plan_order_and_a_cut_push_does_not_hang(mo
     import threading
 
     from test_weights import _receiver, _sync_cfg
-    from rlnode.trainer.weights import WeightBroadcaster, update_tensors
+    from rlnode.weights.broadcast import WeightBroadcaster, update_tensors
     from rlnode.weights.plan import encode
     from rlnode.weights.comm import keep_stdout
 

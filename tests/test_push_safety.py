@@ -30,8 +30,8 @@ import torch
 from conftest import reference_logprobs
 from daemons import free_port
 from rlnode.config import WeightSyncConfig, load_config
-from rlnode.trainer.sync import WeightPusher
-from rlnode.trainer.weights import WeightBroadcaster, WeightGuard
+from rlnode.weights.push import WeightPusher
+from rlnode.weights.broadcast import WeightBroadcaster, WeightGuard
 
 
 @dataclass

@@ -27,7 +27,7 @@ from rlnode.weights.rendezvous import (
     prove_channels,
     unique_id_group,
 )
-from rlnode.trainer.weights import WeightBroadcaster
+from rlnode.weights.broadcast import WeightBroadcaster
 from rlnode.weights.plan import GroupMember, GroupSpec, decode_spec, encode
 from rlnode.weights.comm import WeightComm
 

@@ -147,7 +147,7 @@ async def test_spans_fallback_is_exact_across_an_in_flight_update(tmp_path, engi
     from rlnode.actor.weight_receiver import EXTENSION, engine_num_ranks, join_group
     from rlnode.config import ModelConfig
     from rlnode.tiny_model import build_tiny_model
-    from rlnode.trainer.weights import WeightBroadcaster
+    from rlnode.weights.broadcast import WeightBroadcaster
 
     path = build_tiny_model(tmp_path, tie_embeddings=False, seed=5)
     with vllm_compat.override(vllm_compat.detect(_snapshot("0.26.0"))):

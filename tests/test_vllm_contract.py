@@ -59,7 +59,7 @@ def test_rlnode_uses_only_what_each_supported_release_has(stem):
 def test_the_scan_finds_the_weight_paths_vllm_imports():
     """The files the hand-kept list once missed are in the scan."""
     files = {u.where.split(":")[0] for u in scan()}
-    assert {"rlnode/weights/rendezvous.py", "rlnode/actor/weight_receiver.py", "rlnode/actor/engine_weights.py",
+    assert {"rlnode/weights/rendezvous.py", "rlnode/weights/worker.py", "rlnode/weights/engine_model.py",
             "rlnode/actor/engine.py", "rlnode/bench/weights.py"} <= files
     keys = {u.key for u in scan()}
     assert "call vllm.distributed.device_communicators.pynccl:PyNcclCommunicator" in keys

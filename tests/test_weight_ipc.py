@@ -24,8 +24,8 @@ from rlnode.weights import ipc as weight_ipc
 from rlnode.actor.engine import engine_visible_gpus
 from rlnode.config import LinkConfig, WeightSyncConfig
 from rlnode.link import ActorLink, TrainerLink
-from rlnode.trainer.sync import WeightPusher
-from rlnode.trainer.weights import EnginePlace, WeightBroadcaster, WeightGuard, resolve_backend, update_tensors
+from rlnode.weights.push import WeightPusher
+from rlnode.weights.broadcast import EnginePlace, WeightBroadcaster, WeightGuard, resolve_backend, update_tensors
 from rlnode.weights.ipc import IpcHandle, host_identity, visible_gpus
 from rlnode.weights.plan import PlanMismatch, decode_plan, encode, unpack_bucket
 from rlnode.weights.comm import WeightComm, agree_on_plan, keep_stdout

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from rlnode.config import ModelConfig, WeightSyncConfig
-from rlnode.trainer.weights import EnginePlace, WeightBroadcaster, resolve_backend, update_tensors
+from rlnode.weights.broadcast import EnginePlace, WeightBroadcaster, resolve_backend, update_tensors
 from rlnode.weights.ipc import IpcHandle, decode_handle, encode_handle, host_identity
 from rlnode.weights.plan import PlanMismatch, decode_plan, encode, unpack_bucket
 from rlnode.weights.comm import WeightComm, agree_on_plan, keep_stdout
@@ -158,7 +158,7 @@ async def _push(engine, bc, tensors, version):
 
 
 def _mismatched(engine_digest: dict, tensors) -> list[str]:
-    from rlnode.actor.engine_weights import tensor_digest
+    from rlnode.weights.engine_model import tensor_digest
 
     sent = {n: tensor_digest(t) for n, t in tensors}
     if "lm_head.weight" not in sent:  # tied: the head's kernel must serve the embedding

@@ -20,7 +20,7 @@ import torch
 
 from conftest import reference_logprobs
 from rlnode.config import WeightSyncConfig
-from rlnode.trainer.weights import WeightBroadcaster, update_tensors
+from rlnode.weights.broadcast import WeightBroadcaster, update_tensors
 from rlnode.weights.plan import (
     ALIGN_BYTES,
     GroupMember,
@@ -363,7 +363,7 @@ async def test_new_epoch_on_a_new_port_carries_the_next_update(rig):
 def test_only_the_rotary_reload_warning_is_dropped(caplog):
     import logging
 
-    import rlnode.actor.weight_receiver  # noqa: F401  (installs the filter)
+    import rlnode.weights.worker  # noqa: F401  (installs the filter)
 
     logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
     with caplog.at_level(logging.WARNING, logger=logger.name):

@@ -34,7 +34,7 @@ from rlnode.weights.protocol import WeightCommand, WeightResult
 
 log = get_logger("rlnode.actor")
 
-WORKER_EXTENSION = "rlnode.actor.weight_receiver.WeightReceiverExtension"
+WORKER_EXTENSION = "rlnode.weights.worker.WeightReceiverExtension"
 # How long shutdown waits for the trainer to acknowledge what was delivered.
 FLUSH_TIMEOUT_S = 10.0
 

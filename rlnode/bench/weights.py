@@ -49,7 +49,7 @@ from rlnode.actor.weight_receiver import (
 )
 from rlnode.config import Config, EngineConfig, load_config
 from rlnode.weights.rendezvous import new_secret
-from rlnode.trainer.weights import WeightBroadcaster, update_tensors
+from rlnode.weights.broadcast import WeightBroadcaster, update_tensors
 from rlnode.weights.ipc import host_identity
 from rlnode.weights.plan import GroupMember, GroupSpec, WeightUpdatePlan
 from rlnode.weights.comm import WeightComm, keep_stdout

@@ -76,9 +76,9 @@ class TrainerDaemon:
         from rlnode.trainer.checkpoint import CheckpointManager, MetricsWriter
         from rlnode.trainer.learner import Learner
         from rlnode.trainer.parallel import RankGroup, resolve_ranks
-        from rlnode.trainer.sync import WeightPusher
+        from rlnode.weights.push import WeightPusher
         from rlnode.trainer.trackers import open_sinks
-        from rlnode.trainer.weights import WeightBroadcaster, WeightGuard
+        from rlnode.weights.broadcast import WeightBroadcaster, WeightGuard
 
         t = self.cfg.trainer
         self.run_dir.mkdir(parents=True, exist_ok=True)

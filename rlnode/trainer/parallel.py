@@ -130,7 +130,7 @@ class RankGroup:
     def tensor_metas(self, dtype: torch.dtype | None = None) -> list[tuple[str, torch.Tensor]]:
         """(name, meta tensor of the full shape) per parameter, each once, in
         the model's order: what ``WeightBroadcaster.plan`` needs."""
-        from rlnode.trainer.weights import WRAPPER_PREFIXES
+        from rlnode.weights.broadcast import WRAPPER_PREFIXES
 
         out = []
         for name, p in self.model.named_parameters():

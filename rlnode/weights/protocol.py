@@ -1,6 +1,6 @@
 """The weight conversation between the trainer and an actor daemon, typed.
 
-Born in the trainer's ``WeightPusher`` (``rlnode.trainer.sync``), carried in
+Born in the trainer's ``WeightPusher`` (``rlnode.weights.push``), carried in
 a ``wire.ControlRequest`` over the link, answered in a ``wire.ControlReply``
 by the actor daemon, which hands it to its engines
 (``rlnode.actor.weight_receiver``):

@@ -55,7 +55,7 @@ from rlnode.weights.comm import WeightComm, agree_on_plan
 if TYPE_CHECKING:
     import torch
 
-log = get_logger("rlnode.trainer.weights")
+log = get_logger("rlnode.weights.broadcast")
 
 # How far above the last epoch's port a new epoch looks for a free one.
 PORT_SEARCH_SPAN = 1000

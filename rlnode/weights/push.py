@@ -40,11 +40,11 @@ import time
 from rlnode.link.base import LinkError
 from rlnode.link.trainer_link import TrainerLink
 from rlnode.log import get_logger
-from rlnode.trainer.weights import BroadcastStats, WeightBroadcaster, WeightGuard, update_tensors
+from rlnode.weights.broadcast import BroadcastStats, WeightBroadcaster, WeightGuard, update_tensors
 from rlnode.weights.plan import PlanMismatch, WeightUpdateError, WeightUpdatePlan
 from rlnode.weights.protocol import JoinEpoch, LoadWeights, WeightCommand
 
-log = get_logger("rlnode.trainer.sync")
+log = get_logger("rlnode.weights.push")
 
 # Delay before retrying a failed push (s): RETRY_MIN_S after the first
 # failure, doubling per further failure, at most RETRY_MAX_S.
