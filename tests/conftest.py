@@ -46,11 +46,32 @@ def pytest_unconfigure(config):
 @pytest.fixture(scope="session", autouse=True)
 def _no_file_outlives_the_session():
     yield
+    import gc
     import shutil
 
+    # A live TemporaryDirectory is removed when this process exits, by its
+    # own finalizer (wandb holds two from import on): remove them now, as
+    # exit would, so that only what nothing would remove is left to see.
+    for obj in gc.get_objects():
+        if isinstance(obj, tempfile.TemporaryDirectory) and obj.name.startswith(SESSION_TMP):
+            obj.cleanup()
     left = sorted(n for n in os.listdir(SESSION_TMP) if not n.startswith(_EXPECTED))
     shutil.rmtree(SESSION_TMP, ignore_errors=True)
     assert not left, f"left in the temporary directory by the test session: {left[:20]}"
+
+
+# The longest test files (seconds in a serial run on 2 cores), started first:
+# with `make test`'s two workers taking whole files, a long file that starts
+# last would run alone at the end.
+LONGEST_FIRST = ("test_cluster.py", "test_engine_lifetime.py", "test_learning.py", "test_weights.py",
+                 "test_verifiers_cube.py", "test_weight_transport.py", "test_vllm_compat.py",
+                 "test_bench_weights.py", "test_gpu_check.py", "test_examples_agents.py", "test_eval_cli.py",
+                 "test_ops.py", "test_agent_cube.py", "test_gateway.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))  # stable: file order kept
 
 
 @pytest.fixture(scope="session", autouse=True)
