@@ -329,7 +329,13 @@ def _check_scratch(tmp_path: Path, monkeypatch) -> None:
     mine = make_engine_scratch(3)
     assert Path(mine).parent == tmp_path and Path(mine).name.startswith(f"{SCRATCH_PREFIX}{os.getpid()}-3-")
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([Path(mine).name, alive.name, other.name])
-    assert scratch_env(mine) == {"VLLM_RPC_BASE_PATH": mine, "TMPDIR": mine}
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    env = scratch_env(mine)
+    assert (env["VLLM_RPC_BASE_PATH"], env["TMPDIR"]) == (mine, mine)
+    # Inductor's compile cache outlives the engine: where it was, not in the scratch.
+    assert env["TORCHINDUCTOR_CACHE_DIR"].startswith(tempfile.gettempdir() + "/torchinductor_")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/opt/cache")  # the operator's choice stays theirs
+    assert "TORCHINDUCTOR_CACHE_DIR" not in scratch_env(mine)
     assert sweep_engine_scratch(str(tmp_path)) == []  # its own is not swept either
 
     deep = tmp_path / ("d" * 80)

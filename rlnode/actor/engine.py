@@ -176,8 +176,20 @@ _MAX_SOCKET_PATH = 107
 
 
 def scratch_env(scratch: str) -> dict[str, str]:
-    """The engine processes' environment for their scratch directory."""
-    return {"VLLM_RPC_BASE_PATH": scratch, "TMPDIR": scratch}
+    """The engine processes' environment for their scratch directory. Torch
+    Inductor's compile cache stays where it was (it defaults to TMPDIR, and
+    a cache removed with every engine would recompile at every start)."""
+    env = {"VLLM_RPC_BASE_PATH": scratch, "TMPDIR": scratch}
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        import getpass
+        import tempfile
+
+        try:
+            user = getpass.getuser()
+        except (KeyError, OSError):
+            user = f"uid_{os.getuid()}"
+        env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), "torchinductor_" + user)
+    return env
 
 
 def make_engine_scratch(engine_id: int) -> str:
