@@ -55,7 +55,7 @@ cpu-only:
 
 test: cpu-only setup test-deps
 	$(BIN)/lint-imports --no-cache --no-logo
-	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --durations=30 tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=30 tests
 
 # The terminal shows a progress line per step and the final table;
 # runs/demo/metrics.jsonl has every number. Drop the two log settings for

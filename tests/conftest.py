@@ -62,7 +62,8 @@ def _no_file_outlives_the_session():
 
 # The longest test files (seconds in a serial run on 2 cores), started first:
 # with `make test`'s two workers taking whole files, a long file that starts
-# last would run alone at the end.
+# last would run alone at the end. (`make test` keeps this order with
+# --no-loadscope-reorder: xdist would order files by their number of tests.)
 LONGEST_FIRST = ("test_cluster.py", "test_engine_lifetime.py", "test_learning.py", "test_weights.py",
                  "test_verifiers_cube.py", "test_weight_transport.py", "test_vllm_compat.py",
                  "test_bench_weights.py", "test_gpu_check.py", "test_examples_agents.py", "test_eval_cli.py",
