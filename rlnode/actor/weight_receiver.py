@@ -191,28 +191,41 @@ async def _rpc(engine: Engine, method: str, *args) -> list:
         raise TransferError(f"engine {engine.engine_id}: {method} failed: {e}") from e
 
 
+def _verdict(engine: Engine, kind: str, outcomes: list[tuple[str, str, dict]]) -> list[dict[str, float]] | None:
+    """Every worker's job as one outcome, from (state, message, phases) per
+    worker, polled or noticed: a vote against the plan raises PlanMismatch,
+    any other failure TransferError; all done: each worker's phases, with
+    how long ago its job finished (``poll_s``); else None (still running)."""
+    errors = "; ".join(m for _, m, _ in outcomes if m)
+    states = [s for s, _, _ in outcomes]
+    if "failed" in states:
+        raise TransferError(f"engine {engine.engine_id} {kind} failed: {errors}")
+    if "rejected" in states:
+        raise PlanMismatch(f"engine {engine.engine_id} {kind} rejected: {errors}")
+    if not all(s == "done" for s in states):
+        return None
+    seen = time.time()
+    return [dict(p, poll_s=seen - p["job_done"]) if "job_done" in p else p for _, _, p in outcomes]
+
+
+async def _poll(engine: Engine, kind: str) -> list[tuple[str, str, dict]]:
+    """Every worker's (state, message, phases) for its ``kind`` job."""
+    states = await _rpc(engine, "rlnode_poll")
+    if any(k != kind for k, _, _, _ in states):
+        raise TransferError(f"engine {engine.engine_id}: expected a {kind} job, workers report {states}")
+    return [(s, m, p) for _, s, m, p in states]
+
+
 async def _wait_job(engine: Engine, kind: str, timeout_s: float) -> list[dict[str, float]]:
     """Poll every worker's background job until all are done (returns each
-    worker's phases); map a vote against the plan to PlanMismatch and
-    anything else to TransferError."""
+    worker's phases); see ``_verdict`` for what a failure raises."""
     deadline, delay = time.monotonic() + timeout_s, POLL_MIN_S
-    while True:
-        states = await _rpc(engine, "rlnode_poll")
-        if any(k != kind for k, _, _, _ in states):
-            raise TransferError(f"engine {engine.engine_id}: expected a {kind} job, workers report {states}")
-        done = [s for _, s, _, _ in states]
-        errors = "; ".join(m for _, s, m, _ in states if m)
-        if "failed" in done:
-            raise TransferError(f"engine {engine.engine_id} {kind} failed: {errors}")
-        if "rejected" in done:
-            raise PlanMismatch(f"engine {engine.engine_id} {kind} rejected: {errors}")
-        if all(s == "done" for s in done):
-            seen = time.time()
-            return [dict(p, poll_s=seen - p["job_done"]) if "job_done" in p else p for _, _, _, p in states]
+    while (phases := _verdict(engine, kind, await _poll(engine, kind))) is None:
         if time.monotonic() > deadline:
             raise TransferError(f"engine {engine.engine_id}: {kind} still running after {timeout_s:.0f} s")
         await asyncio.sleep(delay)
         delay = min(delay * 2, POLL_MAX_S)
+    return phases
 
 
 async def _wait_notices(engine: Engine, notices: _Notices | None, nonce: str,
@@ -228,17 +241,9 @@ async def _wait_notices(engine: Engine, notices: _Notices | None, nonce: str,
     while not await notices.collect(nonce, got, workers, min(NOTICE_CHECK_S, max(0.0, deadline - time.monotonic()))):
         if time.monotonic() > deadline:
             raise TransferError(f"engine {engine.engine_id}: receive still running after {timeout_s:.0f} s")
-        states = await _rpc(engine, "rlnode_poll")
-        if any(s in ("failed", "rejected") for _, s, _, _ in states) or all(s == "done" for _, s, _, _ in states):
-            return await _wait_job(engine, "receive", 0.0)  # its verdict, from the polled states
-    heard = list(got.values())
-    seen = time.time()
-    errors = "; ".join(m for _, m, _ in heard if m)
-    if any(s == "failed" for s, _, _ in heard):
-        raise TransferError(f"engine {engine.engine_id} receive failed: {errors}")
-    if any(s == "rejected" for s, _, _ in heard):
-        raise PlanMismatch(f"engine {engine.engine_id} receive rejected: {errors}")
-    return [dict(p, poll_s=seen - p["job_done"]) if "job_done" in p else p for _, _, p in heard]
+        if (phases := _verdict(engine, "receive", await _poll(engine, "receive"))) is not None:
+            return phases
+    return _verdict(engine, "receive", list(got.values()))
 
 
 async def join_group(engine: Engine, spec: GroupSpec, first_rank: int) -> None:
