@@ -55,7 +55,8 @@ from rlnode.weights.plan import (
 )
 from rlnode.weights.worker import EXTENSION
 
-__all__ = ["EXTENSION", "apply_weight_update", "join_group", "leave_group", "load_failure", "prepare_engine"]
+__all__ = ["EXTENSION", "apply_weight_update", "join_group", "leave_group", "load_failure", "prepare_engine",
+           "receives_while_generating"]
 
 if TYPE_CHECKING:
     from rlnode.actor.engine import Engine
@@ -78,11 +79,13 @@ class UpdateTimings(msgspec.Struct):
     stalled_s: float  # pause requested -> resume returned: generation held
     total_s: float
     retied: int = 0  # tied heads whose CPU kernel was rebuilt (see refresh_tied_heads)
+    receive_paused: bool = False  # the bytes came in with generation paused (weight_receive)
     # receive_s, split (the slowest worker's; see rlnode_receive):
     receive_rpc_s: float = 0.0  # the call that starts the job returned
     receive_vote_s: float = 0.0  # plan agreement with every rank (waits for the slowest)
     receive_alloc_s: float = 0.0  # staging buffers allocated
     receive_transfer_s: float = 0.0  # broadcasts: waiting for the sender, the bytes, staging copies
+    receive_first_bucket_s: float = 0.0  # of which: until the first bucket was in (the sender's pack + its bytes)
     receive_poll_s: float = 0.0  # job finished -> the driver's poll saw it
 
 
@@ -284,8 +287,17 @@ async def leave_group(engine: Engine) -> None:
         log.info("weights.left", engine=engine.engine_id)
 
 
+def receives_while_generating(engine: Engine) -> bool:
+    """Whether ``engine`` takes in an update's bytes while it keeps
+    decoding (``actor.engine.weight_receive``; "auto": on cuda only)."""
+    mode = engine.cfg.weight_receive
+    if mode == "auto":
+        return engine.device == "cuda"
+    return mode == "generating"
+
+
 async def apply_weight_update(engine: Engine, plan: WeightUpdatePlan, timeout_s: float = 300.0,
-                              overlap_transfer: bool = True, source: str = "") -> UpdateTimings:
+                              overlap_transfer: bool | None = None, source: str = "") -> UpdateTimings:
     """Receive ``plan``'s broadcast (the trainer sends it concurrently) and
     load it. Requests in flight are kept; tokens after the load are tagged
     ``str(plan.version)`` in ``Completion.weight_versions``.
@@ -295,15 +307,19 @@ async def apply_weight_update(engine: Engine, plan: WeightUpdatePlan, timeout_s:
     voted down before any bytes flow). A different source may go back: a
     restarted trainer resumes from its last checkpoint.
 
-    overlap_transfer: receive while the engine keeps generating (default);
-    False pauses first, so the transfer counts as stall too (for NCCL with
-    tensor parallelism, where a second communicator running beside the
-    model's own is not verified to be safe).
+    overlap_transfer: True receives while the engine keeps generating;
+    False pauses first, so the transfer counts as stall too (CPU hosts,
+    where the transfer and decoding share the cores; NCCL with tensor
+    parallelism, where a second communicator running beside the model's
+    own is not verified to be safe). None: ``actor.engine.weight_receive``
+    decides (``receives_while_generating``).
 
     Raises PlanMismatch (nothing loaded, group usable), TransferError
     (nothing loaded, epoch unusable) or LoadError (the engine stays paused
     and must restart)."""
     plan.validate()
+    if overlap_transfer is None:
+        overlap_transfer = receives_while_generating(engine)
     held = _weights(engine)
     async with held.lock:
         if held.failed:
@@ -328,6 +344,7 @@ async def apply_weight_update(engine: Engine, plan: WeightUpdatePlan, timeout_s:
             raise
         held.source, held.version = source, plan.version
         timings = UpdateTimings(plan.version, plan.epoch, plan.nbytes, total_s=time.monotonic() - t0, **phases,
+                                receive_paused=not overlap_transfer,
                                 **{f"receive_{k}": v for k, v in split.items()})
     log.info("weights.updated", engine=engine.engine_id,
              **{k: round(v, 4) if isinstance(v, float) else v for k, v in msgspec.structs.asdict(timings).items()})
@@ -348,7 +365,7 @@ async def _receive(engine: Engine, plan: WeightUpdatePlan, timeout_s: float, ref
         await _rpc(engine, "rlnode_receive", encode(plan), refuse, notices.addr if notices else "", nonce)
         split["rpc_s"] = time.monotonic() - t0
         workers = await _wait_notices(engine, notices, nonce, timeout_s - split["rpc_s"])
-        for key in ("vote_s", "alloc_s", "transfer_s", "poll_s"):
+        for key in ("vote_s", "alloc_s", "transfer_s", "first_bucket_s", "poll_s"):
             split[key] = max((w.get(key, 0.0) for w in workers), default=0.0)
         return split
     except BaseException:

@@ -99,6 +99,14 @@ class WeightsBenchResult(msgspec.Struct):
     receive_alloc_s: float = 0.0
     receive_transfer_s: float = 0.0
     receive_poll_s: float = 0.0
+    receive_first_bucket_s: float = 0.0  # of the broadcasts: until the first bucket was in
+    # "generating" or "paused": whether the engine took the bytes in while
+    # decoding (actor.engine.weight_receive).
+    receive_mode: str = ""
+    # The trainer's side of the broadcasts: packing parameters into bucket
+    # buffers, and waiting for the sends (the wire, and the slowest receiver).
+    trainer_pack_s: float = 0.0
+    trainer_send_wait_s: float = 0.0
     trainer_rss_mib_first: float = 0.0
     trainer_rss_mib_last: float = 0.0
     engine_rss_mib_first: float = 0.0
@@ -226,7 +234,7 @@ def _gaps(stamps: list[float], lo: float, hi: float) -> tuple[list[float], list[
 async def _one_update(engine, bc, hf, version, prompts, warm_s: float):
     """Perturb the trainer's weights, start streaming requests, update while
     they decode. Returns (wall s, UpdateTimings, plan, max gap during the
-    update s, all gaps s)."""
+    update s, all gaps s, BroadcastStats)."""
     import torch
 
     with torch.no_grad():
@@ -239,7 +247,7 @@ async def _one_update(engine, bc, hf, version, prompts, warm_s: float):
         tensors = update_tensors(hf)
         plan = bc.plan(tensors, version)
         t0 = time.perf_counter()
-        _, timings = await asyncio.gather(bc.broadcast_async(plan, tensors), apply_weight_update(engine, plan))
+        stats, timings = await asyncio.gather(bc.broadcast_async(plan, tensors), apply_weight_update(engine, plan))
         t1 = time.perf_counter()
         await asyncio.sleep(warm_s)
     finally:
@@ -251,7 +259,7 @@ async def _one_update(engine, bc, hf, version, prompts, warm_s: float):
         d, e = _gaps(s, t0, t1)
         during += d
         every += e
-    return t1 - t0, timings, plan, max(during, default=0.0), every
+    return t1 - t0, timings, plan, max(during, default=0.0), every, stats
 
 
 async def _logprob_diff(engine: Engine, hf, prompts: list[list[int]]) -> float:
@@ -343,7 +351,12 @@ async def bench_weights(cfg: Config, model_path: str, *, rounds: int = 5, in_fli
         model=model_path, params=params, nbytes=plan.nbytes, buckets=len(plan.buckets), rounds=rounds,
         update_s=update_s, raw_broadcast_s=raw, overhead_ratio=update_s / raw,
         receive_s=med("receive_s"), load_s=med("load_s"),
-        **{f"receive_{k}": med(f"receive_{k}") for k in ("rpc_s", "vote_s", "alloc_s", "transfer_s", "poll_s")}, generation_stall_s=med("stalled_s"),
+        **{f"receive_{k}": med(f"receive_{k}") for k in ("rpc_s", "vote_s", "alloc_s", "transfer_s", "first_bucket_s",
+                                                          "poll_s")},
+        generation_stall_s=med("stalled_s"),
+        receive_mode="paused" if runs[-1][1].receive_paused else "generating",
+        trainer_pack_s=statistics.median(r[5].pack_s for r in runs),
+        trainer_send_wait_s=statistics.median(r[5].send_wait_s for r in runs),
         max_token_gap_s=statistics.median(r[3] for r in runs),
         usual_token_gap_s=statistics.median([g for r in runs for g in r[4]] or [0.0]),
         max_abs_logprob_diff_after_update=diff, rounds_update_s=[round(r[0], 4) for r in runs],
@@ -361,11 +374,14 @@ def print_table(res: WeightsBenchResult) -> None:
           f"median of {res.rounds} updates with requests in flight")
     rows = [
         ("update (trainer -> engine resumed)", res.update_s),
-        ("  engine: receive into staging", res.receive_s),
+        ("  trainer: pack parameters into buckets", res.trainer_pack_s),
+        ("  trainer: wait for the sends", res.trainer_send_wait_s),
+        (f"  engine: receive into staging ({res.receive_mode})", res.receive_s),
         ("    start RPC", res.receive_rpc_s),
         ("    plan vote", res.receive_vote_s),
-        ("    staging allocation", res.receive_alloc_s),
+        ("    staging buffers (reused)", res.receive_alloc_s),
         ("    broadcasts (wait + bytes + copies)", res.receive_transfer_s),
+        ("      of which until bucket 1 was in", res.receive_first_bucket_s),
         ("    job done -> driver saw it", res.receive_poll_s),
         ("  engine: load while paused", res.load_s),
         ("raw gloo broadcast (CPU), same buckets", res.raw_broadcast_s),
@@ -374,7 +390,7 @@ def print_table(res: WeightsBenchResult) -> None:
         ("usual token gap", res.usual_token_gap_s),
     ]
     for name, value in rows:
-        print(f"  {name:<38}{value:>10.4f} s")
+        print(f"  {name:<44}{value:>10.4f} s")
     print(f"  resident memory after update 1 -> {res.rounds}: trainer {res.trainer_rss_mib_first:.0f} -> "
           f"{res.trainer_rss_mib_last:.0f} MiB, engine processes {res.engine_rss_mib_first:.0f} -> "
           f"{res.engine_rss_mib_last:.0f} MiB")

@@ -72,6 +72,11 @@ class BroadcastStats(msgspec.Struct):
     tensors: int
     agree_s: float  # digest + vote collectives (waits for every receiver to be ready)
     transfer_s: float  # packing + one broadcast per bucket
+    # of transfer_s: copying parameters into bucket buffers (bucket k+1 is
+    # packed while bucket k is on the wire where the transport allows), and
+    # waiting for broadcasts to finish.
+    pack_s: float = 0.0
+    send_wait_s: float = 0.0
 
 
 def update_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -215,7 +220,7 @@ class WeightBroadcaster:
         # epoch -> bound listening socket, held from new_epoch to open_group
         # so no one else takes the port in between.
         self._reserved: dict[int, socket.socket] = {}
-        self._pack_buf: torch.Tensor | None = None
+        self._pack_bufs: list[torch.Tensor | None] = [None, None]
         # Held by open_group, broadcast and close_group: the group is never
         # closed under a broadcast. The daemon's shutdown closes it from its
         # own thread, outside the pusher's lock, while a push thread may
@@ -367,11 +372,16 @@ class WeightBroadcaster:
         if rejected:
             raise PlanMismatch(f"version {plan.version}: {rejected} receiver rank(s) rejected the plan")
         t1 = time.monotonic()
+        pack_s = wait_s = 0.0
         try:
-            scratch = self._scratch(max(b.nbytes for b in plan.buckets))
-            for bucket in plan.buckets:
-                # Each broadcast completes before the next pack, so one
-                # scratch buffer serves every bucket.
+            # Two scratch buffers: bucket k+1 is packed into one while bucket
+            # k is sent from the other (start_broadcast), so the copies hide
+            # under the wire time instead of adding to it.
+            size = max(b.nbytes for b in plan.buckets)
+            scratch = [self._scratch(i, size)
+                       for i in range(2 if comm.sends_in_background and len(plan.buckets) > 1 else 1)]
+            sending = None
+            for i, bucket in enumerate(plan.buckets):
                 names = [t.name for t in bucket.tensors]
                 while not all(n in pending for n in names):
                     item = next(source, None)
@@ -380,25 +390,39 @@ class WeightBroadcaster:
                     pending[item[0]] = item[1]
                 if missing := [n for n in names if n not in pending]:
                     raise ValueError(f"tensors {missing[:3]} of the plan were not given")
-                comm.broadcast(pack_bucket(bucket, pending, self.device, out=scratch))
+                t = time.monotonic()
+                buf = pack_bucket(bucket, pending, self.device, out=scratch[i % len(scratch)])
+                pack_s += time.monotonic() - t
                 for n in names:
                     del pending[n]
+                t = time.monotonic()
+                if sending is not None:
+                    sending.wait()  # the buffer it sends is the next one packed into
+                sending = comm.start_broadcast(buf)
+                wait_s += time.monotonic() - t
+            t = time.monotonic()
+            if sending is not None:
+                sending.wait()
+            wait_s += time.monotonic() - t
         except Exception as e:
             self._broken = True
             raise TransferError(f"epoch {plan.epoch}: broadcast failed: {e!r}") from e
         stats = BroadcastStats(plan.version, plan.epoch, plan.nbytes, len(plan.buckets), plan.num_tensors,
-                               round(t1 - t0, 4), round(time.monotonic() - t1, 4))
+                               round(t1 - t0, 4), round(time.monotonic() - t1, 4), round(pack_s, 4),
+                               round(wait_s, 4))
         log.info("weights.broadcast", **msgspec.structs.asdict(stats))
         return stats
 
-    def _scratch(self, nbytes: int) -> torch.Tensor:
-        """The packing buffer, kept across updates: re-faulting hundreds of
-        MiB of fresh pages per update cost more than the copy itself."""
+    def _scratch(self, i: int, nbytes: int) -> torch.Tensor:
+        """Packing buffer ``i`` (of two), kept across updates: re-faulting
+        hundreds of MiB of fresh pages per update cost more than the copy
+        itself."""
         import torch
 
-        if self._pack_buf is None or self._pack_buf.numel() < nbytes:
-            self._pack_buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        return self._pack_buf
+        if self._pack_bufs[i] is None or self._pack_bufs[i].numel() < nbytes:
+            self._pack_bufs[i] = None  # the old one goes before the new one comes
+            self._pack_bufs[i] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return self._pack_bufs[i]
 
     def _usable_comm(self, plan: WeightUpdatePlan) -> WeightComm:
         if self._comm is None or self.spec is None:

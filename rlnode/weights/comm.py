@@ -93,6 +93,23 @@ class WeightComm:
             self._nccl.broadcast(tensor, src=0, stream=stream)
             stream.synchronize()
 
+    def start_broadcast(self, tensor: torch.Tensor):
+        """Like ``broadcast``, but returns at once where the transport can
+        send in the background (gloo with a CPU tensor: its own threads move
+        the bytes); ``wait()`` on the result before touching ``tensor``
+        again. Elsewhere it sends before returning (the result's ``wait``
+        does nothing). Rank 0 packs the next bucket meanwhile."""
+        if self.sends_in_background and tensor.device.type == "cpu":
+            return self._pg.broadcast(tensor, 0)
+        self.broadcast(tensor)
+        return _Sent()
+
+    @property
+    def sends_in_background(self) -> bool:
+        """``start_broadcast`` returns before the bytes are sent."""
+        return (self._pg is not None and self.spec.backend == "gloo" and self.device.type == "cpu"
+                and not self.force_staging)
+
     def _staging_buffer(self, nbytes: int) -> torch.Tensor:
         """A CPU buffer kept across buckets and updates; pinned when CUDA is
         there, so the device copies run at full speed."""
@@ -183,6 +200,13 @@ class WeightComm:
             nccl.destroy()
         # Last: rank 0's store server goes with it (the port closes).
         self._rdv.close()
+
+
+class _Sent:
+    """A broadcast that finished before ``start_broadcast`` returned."""
+
+    def wait(self) -> bool:
+        return True
 
 
 @contextlib.contextmanager
