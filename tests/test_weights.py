@@ -240,7 +240,7 @@ def _train_a_little(model: torch.nn.Module, seed: int) -> None:
     model.eval()
 
 
-async def _push(rig: Rig, version: int, overlap_transfer: bool = True):
+async def _push(rig: Rig, version: int, overlap_transfer: bool | None = True):
     from rlnode.actor.weight_receiver import apply_weight_update
 
     tensors = update_tensors(rig.hf)
@@ -395,3 +395,45 @@ async def test_memory_stays_flat_over_200_pushes(rig):
           f"{marks[200][0]:.0f} MiB, engine {marks[20][1]:.0f} -> {marks[200][1]:.0f} MiB")
     assert all(g < 4 * model_mib + 16 for g in grown), (grown, model_mib)
     assert (await _max_logprob_diff(rig, rig.hf))[0] < 1e-4  # still serving exactly what was sent
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("arch,tied", [("llama", False), ("qwen3", True)])
+async def test_updates_keep_parity_on_the_other_architectures(arch, tied, tmp_path, engine_config):
+    """With qwen2 untied and tied (the rig above), the four tiny
+    architectures: llama (its own names, no qkv bias) and qwen3 (q/k norms,
+    tied). Two pushes each in the engine's default receive mode (paused on
+    CPU): the engine serves the trainer's weights to < 1e-4 after each."""
+    from transformers import AutoModelForCausalLM
+
+    from rlnode.actor.engine import Engine
+    from rlnode.actor.weight_receiver import EXTENSION, engine_num_ranks, join_group, receives_while_generating
+    from rlnode.config import ModelConfig
+    from rlnode.tiny_model import build_tiny_model
+
+    path = build_tiny_model(tmp_path / arch, arch=arch, tie_embeddings=tied, seed=7)
+    engine = Engine(0, ModelConfig(path=str(path), max_model_len=1024), engine_config, worker_extension_cls=EXTENSION)
+    await engine.start()
+    bc = WeightBroadcaster(_sync_cfg(), master_host="127.0.0.1", timeout_s=60)
+    try:
+        assert not receives_while_generating(engine)  # "auto" on a CPU engine
+        await engine.llm.update_weight_version("0")
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        assert hf.config.tie_word_embeddings is tied
+        spec = bc.new_epoch([("node/0", engine_num_ranks(engine))])
+        await asyncio.gather(bc.open_group_async(spec), join_group(engine, spec, first_rank=1))
+        rng = random.Random(4)
+        rig = Rig(tied, engine, hf, bc, [[rng.randrange(40, 200) for _ in range(rng.randrange(100, 200))]
+                                         for _ in range(3)])
+        assert (await _max_logprob_diff(rig, hf))[0] < 1e-4
+        for version in (1, 2):
+            before = copy.deepcopy(hf)
+            _train_a_little(hf, seed=version)
+            _, _, timings = await _push(rig, version, overlap_transfer=None)
+            assert timings.receive_paused
+            new_diff, old_diff = await _max_logprob_diff(rig, hf, before)
+            assert new_diff < 1e-4, f"{arch}: engine vs updated model after push {version}: {new_diff}"
+            assert old_diff > 1e-2, f"{arch}: engine still serves the old weights ({old_diff})"
+    finally:
+        bc.close_group()
+        await engine.shutdown()
