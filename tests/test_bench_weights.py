@@ -78,6 +78,14 @@ def test_bench_weights_runs_the_configured_job(tiny_model_dir, tmp_path):
     split = {k: res[f"receive_{k}"] for k in ("rpc_s", "vote_s", "alloc_s", "transfer_s", "poll_s")}
     assert all(v >= 0 for v in split.values()) and split["transfer_s"] > 0 and split["vote_s"] > 0, split
     assert sum(split.values()) <= res["receive_s"] + 0.02, (split, res["receive_s"])
+    assert 0 < res["receive_first_bucket_s"] <= split["transfer_s"]
+    # The engine takes the bytes in while it generates (the default
+    # actor.engine.weight_receive): the stall holds the load, not the receive.
+    assert res["receive_mode"] == "generating"
+    assert res["load_s"] - 0.02 <= res["generation_stall_s"] < res["update_s"]
+    # The trainer's side: packing and waiting for the sends, within its update.
+    assert res["trainer_pack_s"] > 0 and res["trainer_send_wait_s"] > 0
+    assert res["trainer_pack_s"] + res["trainer_send_wait_s"] <= res["update_s"]
     assert res["trainer_rss_mib_first"] > 100 and res["engine_rss_mib_first"] > 100
     assert res["max_abs_logprob_diff_after_update"] < 1e-3
     assert 0 <= res["max_abs_logprob_diff_before_update"] < 1e-3

@@ -145,7 +145,9 @@ def run(tiny_model_dir, tmp_path_factory):
             r.start_actor(a)
         yield r
         codes = {n.name: n.terminate() for n in reversed(list(cluster.nodes.values())) if n.alive()}
-        assert all(c == 0 for c in codes.values()), codes
+        assert all(c == 0 for c in codes.values()), (codes, {
+            name: cluster.nodes[name].log_path.read_text().splitlines()[-12:]
+            for name, c in codes.items() if c != 0})
         # SIGTERM checkpoints the trainer's last step: a graceful restart
         # (--resume, as after kill -9 in test_trainer_kill_resume) loses none.
         last = max(x["step"] for x in steps_of(r.run_dir))

@@ -289,11 +289,8 @@ async def leave_group(engine: Engine) -> None:
 
 def receives_while_generating(engine: Engine) -> bool:
     """Whether ``engine`` takes in an update's bytes while it keeps
-    decoding (``actor.engine.weight_receive``; "auto": on cuda only)."""
-    mode = engine.cfg.weight_receive
-    if mode == "auto":
-        return engine.device == "cuda"
-    return mode == "generating"
+    decoding (``actor.engine.weight_receive``)."""
+    return engine.cfg.weight_receive == "generating"
 
 
 async def apply_weight_update(engine: Engine, plan: WeightUpdatePlan, timeout_s: float = 300.0,
@@ -308,11 +305,10 @@ async def apply_weight_update(engine: Engine, plan: WeightUpdatePlan, timeout_s:
     restarted trainer resumes from its last checkpoint.
 
     overlap_transfer: True receives while the engine keeps generating;
-    False pauses first, so the transfer counts as stall too (CPU hosts,
-    where the transfer and decoding share the cores; NCCL with tensor
-    parallelism, where a second communicator running beside the model's
-    own is not verified to be safe). None: ``actor.engine.weight_receive``
-    decides (``receives_while_generating``).
+    False pauses first, so the transfer counts as stall too (for NCCL with
+    tensor parallelism, where a second communicator running beside the
+    model's own is not verified to be safe). None:
+    ``actor.engine.weight_receive`` decides (``receives_while_generating``).
 
     Raises PlanMismatch (nothing loaded, group usable), TransferError
     (nothing loaded, epoch unusable) or LoadError (the engine stays paused
