@@ -8,6 +8,7 @@ in file order: each test leaves the rig at a known policy version."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import queue
 import random
@@ -194,17 +195,17 @@ class Rig:
     version: int = 0
 
 
-@pytest.fixture(scope="module", params=["untied", "tied"])
-async def rig(request, tmp_path_factory, engine_config):
+@contextlib.asynccontextmanager
+async def _engine_rig(path, tied: bool, engine_config, prompt_seed: int, prompt_len: tuple[int, int]):
+    """An engine on the model at ``path`` (with the weight extension) in a
+    group with a trainer-side broadcaster, at version "0"; three random
+    prompts of ``prompt_len`` tokens."""
     from transformers import AutoModelForCausalLM
 
     from rlnode.actor.engine import Engine
     from rlnode.actor.weight_receiver import EXTENSION, engine_num_ranks, join_group
     from rlnode.config import ModelConfig
-    from rlnode.tiny_model import build_tiny_model
 
-    tied = request.param == "tied"
-    path = build_tiny_model(tmp_path_factory.mktemp(f"weights-{request.param}"), tie_embeddings=tied, seed=5)
     engine = Engine(0, ModelConfig(path=str(path), max_model_len=1024), engine_config, worker_extension_cls=EXTENSION)
     await engine.start()
     bc = WeightBroadcaster(_sync_cfg(), master_host="127.0.0.1", timeout_s=60)
@@ -214,16 +215,26 @@ async def rig(request, tmp_path_factory, engine_config):
         assert hf.config.tie_word_embeddings is tied
         spec = bc.new_epoch([("node/0", engine_num_ranks(engine))])
         await asyncio.gather(bc.open_group_async(spec), join_group(engine, spec, first_rank=1))
-        rng = random.Random(3)
-        # Several KV blocks long, so the prefix cache holds them between
-        # calls: a request after an update must not reuse KV the old weights
-        # computed (it did once, and the demo's policy drifted from the
-        # trainer's by 1.4 nats per token).
-        prompts = [[rng.randrange(40, 200) for _ in range(rng.randrange(300, 400))] for _ in range(3)]
+        rng = random.Random(prompt_seed)
+        prompts = [[rng.randrange(40, 200) for _ in range(rng.randrange(*prompt_len))] for _ in range(3)]
         yield Rig(tied, engine, hf, bc, prompts)
     finally:
         bc.close_group()
         await engine.shutdown()
+
+
+@pytest.fixture(scope="module", params=["untied", "tied"])
+async def rig(request, tmp_path_factory, engine_config):
+    from rlnode.tiny_model import build_tiny_model
+
+    tied = request.param == "tied"
+    path = build_tiny_model(tmp_path_factory.mktemp(f"weights-{request.param}"), tie_embeddings=tied, seed=5)
+    # Several KV blocks long, so the prefix cache holds them between calls:
+    # a request after an update must not reuse KV the old weights computed
+    # (it did once, and the demo's policy drifted from the trainer's by 1.4
+    # nats per token).
+    async with _engine_rig(path, tied, engine_config, prompt_seed=3, prompt_len=(300, 400)) as rig:
+        yield rig
 
 
 def _train_a_little(model: torch.nn.Module, seed: int) -> None:
@@ -405,36 +416,18 @@ async def test_updates_keep_parity_on_the_other_architectures(arch, tied, tmp_pa
     tied). Two pushes each, one in each receive mode
     (actor.engine.weight_receive): the engine serves the trainer's weights
     to < 1e-4 after each."""
-    from transformers import AutoModelForCausalLM
-
-    from rlnode.actor.engine import Engine
-    from rlnode.actor.weight_receiver import EXTENSION, engine_num_ranks, join_group, receives_while_generating
-    from rlnode.config import ModelConfig
+    from rlnode.actor.weight_receiver import receives_while_generating
     from rlnode.tiny_model import build_tiny_model
 
     path = build_tiny_model(tmp_path / arch, arch=arch, tie_embeddings=tied, seed=7)
-    engine = Engine(0, ModelConfig(path=str(path), max_model_len=1024), engine_config, worker_extension_cls=EXTENSION)
-    await engine.start()
-    bc = WeightBroadcaster(_sync_cfg(), master_host="127.0.0.1", timeout_s=60)
-    try:
-        assert receives_while_generating(engine)  # the default
-        await engine.llm.update_weight_version("0")
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        assert hf.config.tie_word_embeddings is tied
-        spec = bc.new_epoch([("node/0", engine_num_ranks(engine))])
-        await asyncio.gather(bc.open_group_async(spec), join_group(engine, spec, first_rank=1))
-        rng = random.Random(4)
-        rig = Rig(tied, engine, hf, bc, [[rng.randrange(40, 200) for _ in range(rng.randrange(100, 200))]
-                                         for _ in range(3)])
-        assert (await _max_logprob_diff(rig, hf))[0] < 1e-4
+    async with _engine_rig(path, tied, engine_config, prompt_seed=4, prompt_len=(100, 200)) as rig:
+        assert receives_while_generating(rig.engine)  # the default
+        assert (await _max_logprob_diff(rig, rig.hf))[0] < 1e-4
         for version, overlap in ((1, None), (2, False)):
-            before = copy.deepcopy(hf)
-            _train_a_little(hf, seed=version)
+            before = copy.deepcopy(rig.hf)
+            _train_a_little(rig.hf, seed=version)
             _, _, timings = await _push(rig, version, overlap_transfer=overlap)
             assert timings.receive_paused is (version == 2)
-            new_diff, old_diff = await _max_logprob_diff(rig, hf, before)
+            new_diff, old_diff = await _max_logprob_diff(rig, rig.hf, before)
             assert new_diff < 1e-4, f"{arch}: engine vs updated model after push {version}: {new_diff}"
             assert old_diff > 1e-2, f"{arch}: engine still serves the old weights ({old_diff})"
-    finally:
-        bc.close_group()
-        await engine.shutdown()
