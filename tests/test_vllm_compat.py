@@ -116,6 +116,40 @@ def test_pause_without_clear_cache_argument_is_called_without_it():
     assert vllm_compat.prompt([1, 2], "s") == {"prompt_token_ids": [1, 2], "cache_salt": "s"}
 
 
+def test_pause_goes_straight_to_the_core_only_where_the_core_tags_versions():
+    """AsyncLLM.pause_generation sleeps 20 ms after the core paused. Where
+    the core tags token versions (0.32) the pause asks the core directly;
+    the 0.26 wrapper spans, and a core client of another shape, keep
+    pause_generation."""
+    calls = []
+
+    class Core:
+        async def pause_scheduler_async(self, mode="abort", clear_cache=True):
+            calls.append(("core", mode, clear_cache))
+
+    class OtherCore:
+        async def pause_scheduler_async(self, mode="abort"):
+            calls.append(("other core", mode))
+
+    class Llm:
+        engine_core = Core()
+
+        async def pause_generation(self, **kw):
+            calls.append(("pause_generation", kw))
+
+    new, old = vllm_compat.detect(_snapshot("0.32.0")), vllm_compat.detect(_snapshot("0.26.0"))
+    with vllm_compat.override(new):
+        asyncio.run(vllm_compat.pause_keep(Llm()))
+    with vllm_compat.override(old):
+        asyncio.run(vllm_compat.pause_keep(Llm()))
+    llm = Llm()
+    llm.engine_core = OtherCore()
+    with vllm_compat.override(new):
+        asyncio.run(vllm_compat.pause_keep(llm))
+    keep = {"mode": "keep", "clear_cache": False}
+    assert calls == [("core", "keep", False), ("pause_generation", keep), ("pause_generation", keep)]
+
+
 # --------------------------------------------------------------------------
 # (c) the paths work
 

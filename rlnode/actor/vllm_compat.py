@@ -248,6 +248,17 @@ def override(forced: Api) -> Iterator[Api]:
 # Version-sensitive calls
 
 
+def _takes(fn, *names: str) -> bool:
+    """``fn`` is callable and accepts every keyword in ``names``."""
+    if not callable(fn):
+        return False
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return all(n in params for n in names)
+
+
 async def pause_keep(llm) -> None:
     """Pause with in-flight requests kept (frozen, resumed later) and the
     KV/prefix cache intact.
@@ -258,9 +269,12 @@ async def pause_keep(llm) -> None:
     last step's outputs reach their streams first, which vLLM calls "not
     required for correctness"; it was 20 ms of every update's stall (40% of
     the tiny model's). The wrapper's own spans (0.26) count tokens as they
-    arrive, so there the sleep stays."""
+    arrive, so there the sleep stays. Every release in the supported range
+    implements pause_generation as [clear caches when asked] + this call
+    with the same arguments + the sleep; a core client without it, or with
+    other parameters, takes pause_generation."""
     core_pause = getattr(getattr(llm, "engine_core", None), "pause_scheduler_async", None)
-    if api().weight_versions and api().pause_clear_cache and core_pause is not None:
+    if api().weight_versions and api().pause_clear_cache and _takes(core_pause, "mode", "clear_cache"):
         await core_pause(mode="keep", clear_cache=False)
         return
     if api().pause_clear_cache:
