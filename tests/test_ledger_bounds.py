@@ -456,6 +456,12 @@ def test_closing_the_weight_group_waits_for_a_broadcast_in_flight(monkeypatch):
             self.release.wait(10)
             self.events.append("broadcast done")
 
+        sends_in_background = False
+
+        def start_broadcast(self, buf):
+            self.broadcast(buf)
+            return types.SimpleNamespace(wait=lambda: True)
+
         def close(self):
             self.events.append("close")
 

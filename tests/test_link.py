@@ -366,6 +366,29 @@ async def test_busy_trainer_defers_then_accepts():
         await trainer.close()
 
 
+async def test_a_stopping_trainer_keeps_what_it_accepted_and_refuses_the_rest():
+    """Shutdown: a group acked but not yet read from ``deliveries`` comes
+    back for the final checkpoint (before, it was neither trained nor saved:
+    lost where its actor stopped too), and later groups are answered busy,
+    so their actor keeps them for the next trainer."""
+    trainer = TrainerLink(ANY_PORT, FAST)
+    await trainer.start()
+    try:
+        async with ActorLink(trainer.endpoint, "a1", [(0, 1)], FAST, ack_timeout_s=0.2) as actor:
+            assert await actor.wait_connected(5)
+            actor.submit(delivery("g1"))
+            await until(lambda: trainer.counters.groups_accepted == 1 and actor.counters().unacked == 0,
+                        what="g1 acked")
+            assert [g.group_id for g in trainer.stop_taking_groups()] == ["g1"]
+            assert trainer.deliveries.empty()
+            actor.submit(delivery("g2"))
+            await until(lambda: trainer.counters.busy_rejects >= 1, what="busy")
+            assert actor.counters().unacked == 1  # kept, to resend
+            assert trainer.deliveries.empty() and trainer.counters.groups_accepted == 1
+    finally:
+        await trainer.close()
+
+
 async def test_curve_only_authorized_actors_get_through(tmp_path):
     keys = tmp_path / "keys"
     made = keygen(keys, ["a1", "a2"])

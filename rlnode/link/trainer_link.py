@@ -125,6 +125,7 @@ class TrainerLink:
         # last accepted group, or of the last tick with no actor connected.
         self.last_group_at = time.monotonic()
         self._alarmed = False
+        self._stopping = False  # stop_taking_groups() was called
 
     # ---- lifecycle -------------------------------------------------------
 
@@ -257,6 +258,21 @@ class TrainerLink:
 
     def buffered_ids(self) -> list[str]:
         return list(self._buffered)
+
+    def stop_taking_groups(self) -> list[GroupDelivery]:
+        """The trainer is stopping: from now on a new group is answered busy
+        (its actor keeps it and resends it to the next trainer), and the
+        groups accepted but not yet read from ``deliveries`` are returned,
+        for the final checkpoint. Without this a group acked after the
+        daemon stopped reading was neither trained nor saved: lost for good
+        where its actor stops too (``--role all``)."""
+        self._stopping = True
+        late = []
+        while not self.deliveries.empty():
+            item = self.deliveries.get_nowait()
+            if not isinstance(item, BaseException):  # a link task's failure: the link is closing anyway
+                late.append(item[1])
+        return late
 
     def hold_credits(self, group_ids: Iterable[str]) -> None:
         """Groups the trainer holds that did not arrive through this link
@@ -448,6 +464,10 @@ class TrainerLink:
             return self._unexpected(peer.peer_id, REJECT_INVALID_GROUP, f"{reason} of another sender", [gid])
         if gid in self._consumed or gid in self._buffered:
             self._on_duplicate(peer, gid)
+            return
+        if self._stopping:  # the actor keeps it and resends it to the next trainer
+            c.busy_rejects += 1
+            self._send(peer.peer_id, Reject(REJECT_BUSY, "the trainer is stopping", [gid]))
             return
         problem = validate_group(g, self.limits, self.version)
         if problem is not None:

@@ -334,6 +334,14 @@ class TrainerDaemon:
         from rlnode.trainer.checkpoint import save_hf_policy
 
         try:
+            if self.link is not None:
+                # Accepted after the intake stopped: into the buffer, so the
+                # final checkpoint holds them.
+                late = self.link.stop_taking_groups()
+                for group in late:
+                    self.buffer.put(group)
+                if late:
+                    log.info("trainer.late_groups", groups=len(late))
             if self.learner is not None and self.link is not None and (
                     self.step > self.last_checkpoint_step or len(self.buffer)):
                 await self.checkpoint()
