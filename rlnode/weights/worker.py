@@ -392,7 +392,10 @@ class WeightReceiverExtension:
         self._rlnode_state().staged = None
 
     def rlnode_leave(self) -> None:
-        """Close this worker's group (a running transfer then fails)."""
+        """Close this worker's group. A transfer in flight is not cut
+        short: gloo's close waits for it to end or to reach the group's
+        timeout (measured: a receive waiting for a silent sender held close
+        for the whole 20 s timeout), so leave between updates."""
         state = self._rlnode_state()
         comm, state.comm, state.staged, state.epoch = state.comm, None, None, -1
         state.staging = []
