@@ -373,6 +373,7 @@ class WeightBroadcaster:
             raise PlanMismatch(f"version {plan.version}: {rejected} receiver rank(s) rejected the plan")
         t1 = time.monotonic()
         pack_s = wait_s = 0.0
+        sending = None  # the broadcast in flight, if any
         try:
             # Two scratch buffers: bucket k+1 is packed into one while bucket
             # k is sent from the other (start_broadcast), so the copies hide
@@ -380,7 +381,6 @@ class WeightBroadcaster:
             size = max(b.nbytes for b in plan.buckets)
             scratch = [self._scratch(i, size)
                        for i in range(2 if comm.sends_in_background and len(plan.buckets) > 1 else 1)]
-            sending = None
             for i, bucket in enumerate(plan.buckets):
                 names = [t.name for t in bucket.tensors]
                 while not all(n in pending for n in names):
@@ -396,16 +396,23 @@ class WeightBroadcaster:
                 for n in names:
                     del pending[n]
                 t = time.monotonic()
-                if sending is not None:
-                    sending.wait()  # the buffer it sends is the next one packed into
+                if sending is not None:  # the buffer it sends is the next one packed into
+                    sending, in_flight = None, sending
+                    in_flight.wait()
                 sending = comm.start_broadcast(buf)
                 wait_s += time.monotonic() - t
             t = time.monotonic()
             if sending is not None:
-                sending.wait()
+                sending, in_flight = None, sending
+                in_flight.wait()
             wait_s += time.monotonic() - t
         except Exception as e:
             self._broken = True
+            if sending is not None:
+                # Failed while a send was in flight (a pack raised): let it end
+                # (or time out) before the buffer it reads can be packed again.
+                with contextlib.suppress(Exception):
+                    sending.wait()
             raise TransferError(f"epoch {plan.epoch}: broadcast failed: {e!r}") from e
         stats = BroadcastStats(plan.version, plan.epoch, plan.nbytes, len(plan.buckets), plan.num_tensors,
                                round(t1 - t0, 4), round(time.monotonic() - t1, 4), round(pack_s, 4),
