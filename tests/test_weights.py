@@ -371,6 +371,28 @@ async def test_new_epoch_on_a_new_port_carries_the_next_update(rig):
     assert new_diff < 1e-4 and old_diff > 1e-2
 
 
+@pytest.mark.engine
+async def test_bytes_received_for_the_next_update_change_nothing_served(rig):
+    """The engine keeps its staging buffers between updates. Its weights
+    must never alias them: bytes of the next update received into staging
+    (and dropped here, as a refused or failed update would be) leave the
+    served weights exactly as the last load left them."""
+    from rlnode.actor.weight_receiver import _discard, _receive
+
+    plan, _, _ = await _push(rig, rig.version + 1)
+    loaded = copy.deepcopy(rig.hf)
+    _train_a_little(rig.hf, seed=11)
+    tensors = update_tensors(rig.hf)
+    nxt = rig.bc.plan(tensors, rig.version + 1)
+    assert [b.nbytes for b in nxt.buckets] == [b.nbytes for b in plan.buckets]  # the same staging buffers
+    await asyncio.gather(rig.bc.broadcast_async(nxt, tensors), _receive(rig.engine, nxt, 60))
+    await _discard(rig.engine)
+    served, received = await _max_logprob_diff(rig, loaded, rig.hf)
+    assert served < 1e-4, f"the engine no longer serves what it loaded ({served})"
+    assert received > 1e-2
+    rig.hf.load_state_dict(loaded.state_dict())  # the rig's model is the served one again
+
+
 def test_only_the_rotary_reload_warning_is_dropped(caplog):
     import logging
 
