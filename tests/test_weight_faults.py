@@ -21,10 +21,11 @@ import time
 import pytest
 import torch
 
+from test_weights import _receiver  # rank 1 in a thread: votes, receives
 from rlnode.config import WeightSyncConfig
 from rlnode.weights.broadcast import WeightBroadcaster, update_tensors
 from rlnode.weights.comm import WeightComm, agree_on_plan, keep_stdout
-from rlnode.weights.plan import GroupMember, GroupSpec, TransferError, decode_plan, encode
+from rlnode.weights.plan import GroupMember, GroupSpec, TransferError, encode
 from rlnode.weights.rendezvous import new_secret
 
 TIMEOUT_S = 4.0  # the group's per-collective timeout
@@ -137,22 +138,10 @@ def test_a_push_whose_receiver_vanishes_fails_within_its_timeout(how):
         _end(proc)
     # A new epoch (fresh port and secret) with a live receiver works.
     spec2 = bc.new_epoch([("peer/0", 1)])
-    got: list = []
-
-    def receive() -> None:
-        comm = WeightComm(spec2, 1, "cpu")
-        try:
-            p = decode_plan(plans.get(timeout=30))
-            assert not agree_on_plan(comm, p.digest(), reject=False)
-            for bucket in p.buckets:
-                buf = torch.empty(bucket.nbytes, dtype=torch.uint8)
-                comm.broadcast(buf)
-                got.append(buf)
-        finally:
-            comm.close()
-
     plans: queue.Queue = queue.Queue()
-    thread = threading.Thread(target=receive)
+    got: list = []
+    joined = threading.Event()
+    thread = threading.Thread(target=_receiver, args=(spec2, joined, plans, [False], got))
     try:
         with keep_stdout():
             thread.start()
@@ -163,7 +152,8 @@ def test_a_push_whose_receiver_vanishes_fails_within_its_timeout(how):
     finally:
         thread.join(30)
         bc.close_group()
-    assert [b.numel() for b in got] == [b.nbytes for b in plan2.buckets]
+    (received,) = got
+    assert received.keys() == dict(tensors).keys() and all(torch.equal(received[n], t) for n, t in tensors)
 
 
 def test_a_receive_whose_trainer_freezes_fails_within_its_timeout():

@@ -397,20 +397,18 @@ class WeightBroadcaster:
                     del pending[n]
                 t = time.monotonic()
                 if sending is not None:  # the buffer it sends is the next one packed into
-                    sending, in_flight = None, sending
-                    in_flight.wait()
+                    sending.wait()
                 sending = comm.start_broadcast(buf)
                 wait_s += time.monotonic() - t
             t = time.monotonic()
-            if sending is not None:
-                sending, in_flight = None, sending
-                in_flight.wait()
+            sending.wait()
             wait_s += time.monotonic() - t
         except Exception as e:
             self._broken = True
             if sending is not None:
-                # Failed while a send was in flight (a pack raised): let it end
-                # (or time out) before the buffer it reads can be packed again.
+                # Let a send in flight end (or time out) before the buffer it
+                # reads can be packed again; one that failed raises again at
+                # once.
                 with contextlib.suppress(Exception):
                     sending.wait()
             raise TransferError(f"epoch {plan.epoch}: broadcast failed: {e!r}") from e
