@@ -7,14 +7,29 @@ token-out exactly as ``rlnode.actor.episode`` builds them, ``parse_action`` on
 the decoded completion. RL: groups of ``attempts`` episodes of one task,
 advantage = episode reward - group mean, every completion token of every LLM
 call of the episode gets the episode's advantage, loss = -sum(A * logpi) /
-tokens (optionally TIS-weighted when ``--lag 1`` samples with the previous
-policy), AdamW with warm-up + decay, grad-norm clipping.
+tokens, AdamW with warm-up + decay, grad-norm clipping. ``--lag L`` samples
+with the policy of L steps ago (a pipelined loop at its staleness bound) and
+weighs by the ratio to it: truncated IS (``--loss tis``) or PPO-clip
+(``--loss ppo``).
+
+The async question (issue 22), ~8 min a run, two at once on 2 cores:
+
+    for loss in tis ppo; do python scripts/probe_guessing.py --max-number 5 \
+        --max-turns 3 --max-tokens 1 --lr 1e-3 --ent 0.01 --steps 500 \
+        --eval-every 50 --seed 1 --lag 2 --loss $loss & done
 
 Example (the recommended demo setting; prints a learning curve, writes JSON
 with --out; ~0.5 s/step on one thread):
 
     python scripts/probe_guessing.py --max-number 5 --max-turns 3 --max-tokens 1 \
         --lr 2e-3 --warmup 10 --groups 8 --attempts 8 --steps 300
+
+What a trained demo policy does, target by target (the plateau's wrong
+decision shows here; the demo's defaults are this script's --max-number 5
+--max-turns 3 --max-tokens 1):
+
+    python scripts/probe_guessing.py --max-number 5 --max-turns 3 --max-tokens 1 \
+        --inspect runs/demo/final
 
 Held-out success is measured on the test split at T=1 and greedily every
 ``--eval-every`` steps. Also printed: uniform random guessing, the best
@@ -243,10 +258,12 @@ async def main(a):
     tok = AutoTokenizer.from_pretrained(d)
     model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
     renderer = ChatRenderer(tok)
-    old = None
+    # --lag L: episodes are sampled by the policy of L steps ago (an async
+    # loop whose generation runs L versions ahead of the trainer).
+    olds: list = []
     if a.lag:
         import copy
-        old = copy.deepcopy(model)
+        olds = [copy.deepcopy(model) for _ in range(a.lag)]
     ref = None
     if a.kl:
         import copy
@@ -260,7 +277,7 @@ async def main(a):
                 in_range=in_range_success(n, k), binary=binary_search_success(n, k))
     print(f"config {vars(a)}", flush=True)
     print("reference success: " + " ".join(f"{x}={v:.3f}" for x, v in refs.items()), flush=True)
-    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.999), weight_decay=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.999), weight_decay=0.0, eps=a.adam_eps)
     rng = random.Random(a.seed)
     curve = []
     t_start = time.monotonic()
@@ -273,12 +290,12 @@ async def main(a):
         t0 = time.monotonic()
         group_tasks = [rng.choice(train_ids) for _ in range(a.groups)]
         ids = [t for t in group_tasks for _ in range(a.attempts)]
-        sampler = old if a.lag else model
+        sampler = olds[0] if a.lag else model
         sampler.eval()
         eps = await play(sampler, renderer, cube, ids, a.max_turns, a.max_tokens, 1.0, gen)
         t1 = time.monotonic()
         rewards = torch.tensor([shaped_reward(e, a) for e in eps]).view(a.groups, a.attempts)
-        adv = rewards - rewards.mean(1, keepdim=True)
+        adv = rewards - (rewards.mean() if a.baseline == "batch" else rewards.mean(1, keepdim=True))
         if a.std_norm:
             adv = adv / (rewards.std(1, keepdim=True) + 1e-6)
         adv = adv.flatten()
@@ -287,9 +304,10 @@ async def main(a):
         keep = [i for i in range(len(eps)) if adv[i] != 0]
         if a.lag:
             with torch.no_grad():
-                old_lp, _, _ = token_logprobs(old, [eps[i]["seq"] for i in keep],
+                old_lp, _, _ = token_logprobs(sampler, [eps[i]["seq"] for i in keep],
                                               [eps[i]["cmask"] for i in keep], tok.pad_token_id) if keep else (None, None, None)
-            old.load_state_dict(model.state_dict())
+            olds.append(olds.pop(0))  # the sampler becomes the newest copy, after this step
+
         for g in opt.param_groups:
             g["lr"] = lr_at(step - 1, a)
         ntok = sum(sum(e["cmask"]) for e in eps)
@@ -306,10 +324,26 @@ async def main(a):
                 full = torch.zeros_like(logp)
                 idx = [sel.index(i) for i in keep]
                 full[idx, :old_lp.shape[1]] = old_lp[:, :logp.shape[1]]
-                w = torch.exp(logp.detach() - full).clamp(max=a.is_cap)
-            loss = -(A * w * logp * cm).sum() / ntok
+                if a.loss == "ppo":
+                    # PPO-clip against the sampling policy: a token whose ratio
+                    # left [1-eps_low, 1+eps_high] on the side its advantage
+                    # pushes gets no gradient (a trust region around the data).
+                    r = torch.exp(logp - full)
+                    w = torch.minimum(r * A, r.clamp(1 - a.eps_low, 1 + a.eps_high) * A)
+                else:
+                    w = A * torch.exp(logp.detach() - full).clamp(max=a.is_cap) * logp
+            else:
+                w = A * logp
+            loss = -(w * cm).sum() / ntok
             if a.ent:
-                loss = loss - a.ent * (ent * cm).sum() / ntok
+                ecm = cm
+                if a.ent_where == "unsolved":
+                    # only where the group did not all succeed
+                    solved = torch.tensor([bool(rewards.view(-1)[i] > 0) and
+                                           bool((rewards.view(a.groups, a.attempts)[i // a.attempts] > 0).all())
+                                           for i in sel])
+                    ecm = cm * (~solved)[:, None].to(cm.dtype)
+                loss = loss - a.ent * (ent * ecm).sum() / ntok
             if a.kl:
                 with torch.no_grad():
                     ref_lp, _, _ = token_logprobs(ref, [eps[i]["seq"] for i in sel],
@@ -324,6 +358,8 @@ async def main(a):
             opt.step()
             loss_v = loss.item()
             ent_v = float((ent * cm).sum() / cm.sum())
+        if a.lag:
+            olds[-1].load_state_dict(model.state_dict())
         t2 = time.monotonic()
         t_gen += t1 - t0
         t_train += t2 - t1
@@ -374,8 +410,14 @@ def parse(argv=None):
     p.add_argument("--partial", default="none", choices=["none", "fast"])
     p.add_argument("--ent", type=float, default=0.0, help="entropy bonus coefficient")
     p.add_argument("--kl", type=float, default=0.0, help="k3 KL-to-init coefficient")
-    p.add_argument("--lag", type=int, default=0, choices=[0, 1], help="sample with the previous policy")
+    p.add_argument("--lag", type=int, default=0, help="sample with the policy of this many steps ago")
     p.add_argument("--is-cap", type=float, default=2.0)
+    p.add_argument("--baseline", default="group", choices=["group", "batch"])
+    p.add_argument("--adam-eps", type=float, default=1e-8)
+    p.add_argument("--ent-where", default="all", choices=["all", "unsolved"])
+    p.add_argument("--loss", default="tis", choices=["tis", "ppo"], help="with --lag: truncated IS or PPO-clip")
+    p.add_argument("--eps-low", type=float, default=0.2)
+    p.add_argument("--eps-high", type=float, default=0.28)
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--eval-every", type=int, default=10)
     p.add_argument("--log-every", type=int, default=10)
@@ -383,8 +425,37 @@ def parse(argv=None):
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="")
+    p.add_argument("--inspect", default="", metavar="MODEL_DIR",
+                   help="instead of training: what a trained policy (e.g. runs/demo/final) does per target")
     return p.parse_args(argv)
 
 
+async def inspect(a) -> None:
+    """Per target: the greedy guesses and the 4 commonest guess sequences of
+    32 episodes at T=1 (None = a reply that is no number: a wasted turn).
+    Shows which decision a plateaued policy gets wrong."""
+    import collections
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(a.threads)
+    tok = AutoTokenizer.from_pretrained(a.inspect)
+    model = AutoModelForCausalLM.from_pretrained(a.inspect, dtype=torch.float32).eval()
+    renderer = ChatRenderer(tok)
+    opts = {"max_number": a.max_number, "max_turns": a.max_turns, "feedback": a.feedback}
+    cube = make_cube("g", "guessing", opts, seed=0)
+    by_target: dict[int, str] = {}
+    for t in await cube.task_ids("test"):
+        by_target.setdefault(cube.target(t), t)
+    gen = torch.Generator().manual_seed(a.seed)
+    for target, t in sorted(by_target.items()):
+        greedy = (await play(model, renderer, cube, [t], a.max_turns, a.max_tokens, 0.0, gen))[0]
+        eps = await play(model, renderer, cube, [t] * 32, a.max_turns, a.max_tokens, 1.0, gen)
+        seqs = collections.Counter(tuple(e["guesses"]) for e in eps).most_common(4)
+        print(f"target {target}: greedy {greedy['guesses']}, T=1 success "
+              f"{sum(e['success'] for e in eps) / 32:.2f}, commonest {seqs}", flush=True)
+
+
 if __name__ == "__main__":
-    asyncio.run(main(parse(sys.argv[1:])))
+    args = parse(sys.argv[1:])
+    asyncio.run(inspect(args) if args.inspect else main(args))

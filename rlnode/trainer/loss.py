@@ -84,6 +84,12 @@ class LossOutput:
 #       truncated-IS REINFORCE: grad_logpi = -A * min(r_t, c).
 #   "ppo_clip":      l_t = -min(r_t A, clip(r_t, 1-eps_low, 1+eps_high) A)
 #       grad_logpi = -A r_t, or 0 where the min picks the clipped term.
+#       On-policy (r_t = 1) its gradient is tis_reinforce's. On stale samples
+#       it is a trust region around the data: once pi has moved a token past
+#       the clip range in the direction A pushes it, that sample stops
+#       pushing. tis_reinforce keeps pushing (weighted by r_t <= c), which
+#       with samples 2 versions old and a fast-moving policy overshoots
+#       (measured on the demo: README "The demo over seeds").
 #   "gspo":          s_i = exp((1/|y_i|) sum_t (logpi - logmu))  sequence ratio,
 #       l_t = -min(s_it A, clip(s_it, 1-gspo_eps_low, 1+gspo_eps_high) A),
 #       s_it = sg(s_i) * exp(logpi - sg(logpi)) (value s_i; GSPO-token form),
