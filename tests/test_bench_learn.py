@@ -3,6 +3,14 @@ demo's, minutes each: the README has the measured table)."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
 from rlnode.bench.learn import LearnBenchResult, LearnRun, print_table, spread
 
 
@@ -35,3 +43,42 @@ def test_table_lists_every_evaluated_version_per_run(capsys):
     rows = [line.split() for line in out.splitlines() if line.startswith(("sync ", "async "))]
     assert rows[0][:5] == ["sync", "0", "0.10", "0.90", "0.90"] and rows[1][:5] == ["async", "0", "0.20", "0.85", "0.85"]
     assert "async / sync: final success 0.94x" in out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the parent-death signal is Linux's")
+def test_a_killed_bench_takes_its_run_with_it(tmp_path):
+    # A run takes 7-15 minutes and both cores; `kill -9` of the bench (or a
+    # plain SIGTERM, whose default action runs no cleanup either) used to
+    # leave it training. The run here sleeps instead of training.
+    pid_file = tmp_path / "run.pid"
+    run = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(120)"
+    bench = subprocess.Popen([sys.executable, "-c", "import os, sys\n"
+                              "from rlnode.bench.learn import run_child\n"
+                              f"run_child([sys.executable, '-c', {run!r}], None, 600, dict(os.environ))"])
+    child = None
+    try:
+        deadline = time.monotonic() + 60
+        while child is None and time.monotonic() < deadline:
+            if pid_file.exists() and pid_file.read_text():
+                child = int(pid_file.read_text())
+            time.sleep(0.05)
+        assert child is not None and _alive(child), "the run never started"
+        bench.kill()
+        bench.wait(10)
+        deadline = time.monotonic() + 10
+        while _alive(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(child), "the run outlived the bench that started it"
+    finally:
+        bench.kill()
+        bench.wait(10)
+        if child is not None and _alive(child):
+            os.kill(child, signal.SIGKILL)

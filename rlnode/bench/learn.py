@@ -20,9 +20,11 @@ seeds (final success, versions to the target). The runs stay under
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -72,6 +74,38 @@ class LearnBenchResult(msgspec.Struct):
     async_vs_sync_versions_to_target: float | None = None
 
 
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _end_with_parent(parent: int) -> None:
+    """In the child, before exec: SIGTERM (the daemon's clean shutdown,
+    engines included) when the bench's process ends, however it ends."""
+    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM) != 0 or os.getppid() != parent:
+        os._exit(1)  # no such guard, or the bench already gone: do not start an unowned run
+
+
+def run_child(args: list[str], stderr, timeout: float, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """One run of the recipe, which must not outlive the bench: a run takes
+    7-15 minutes and both cores, and a bench stopped by SIGTERM or kill -9
+    used to leave it training. The bench calls this from its main thread,
+    so the parent-death signal fires when the process ends (it fires when
+    the forking *thread* ends). Ctrl-C or an exception here stops the run
+    the same way."""
+    guard = (lambda parent=os.getpid(): _end_with_parent(parent)) if sys.platform == "linux" else None
+    with subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=stderr, text=True, env=env,
+                          preexec_fn=guard) as proc:
+        try:
+            proc.wait(timeout=timeout)
+        except BaseException:
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            raise
+    return subprocess.CompletedProcess(args, proc.returncode)
+
+
 def run_recipe(config: str, overrides: list[str], seed: int, sync: bool, max_lag: int, run_dir: Path,
                target: float, log) -> LearnRun:
     shutil.rmtree(run_dir, ignore_errors=True)  # metrics.jsonl appends: start clean
@@ -88,8 +122,7 @@ def run_recipe(config: str, overrides: list[str], seed: int, sync: bool, max_lag
     mode = "sync" if sync else "async"
     log(f"  {mode} seed {seed}: running (log: {run_dir}/daemon.log) ...")
     with open(run_dir / "daemon.log", "w") as err:
-        proc = subprocess.run(args, stdout=subprocess.DEVNULL, stderr=err, text=True, timeout=7200,
-                              env={**os.environ, "VLLM_CONFIGURE_LOGGING": "0"})
+        proc = run_child(args, err, timeout=7200, env={**os.environ, "VLLM_CONFIGURE_LOGGING": "0"})
     text = (run_dir / "daemon.log").read_text()
     if proc.returncode != 0:
         raise RuntimeError(f"rlnode --role all (seed {seed}, {mode}) exited {proc.returncode}: {text[-2000:]}")
