@@ -214,6 +214,11 @@ class LossConfig(_Section):
     #   "tis_reinforce": -A * logpi * sg(min(r, is_cap)), r = exp(logpi - logmu)
     #   "ppo_clip":      -min(r*A, clip(r, 1-eps_low, 1+eps_high)*A)
     #   "gspo":          PPO-clip on the sequence-level ratio (geometric mean over tokens)
+    # On-policy (trainer.sync = true) "tis_reinforce" and "ppo_clip" give the
+    # same gradient. Pipelined, where the policy moves a lot per step, pick
+    # "ppo_clip": truncated IS let samples 2 versions old overshoot the demo's
+    # policy (README "The demo over seeds"); the clip stops a stale sample
+    # from pushing a token the trainer already moved past 1 +- eps.
     kind: Literal["tis_reinforce", "ppo_clip", "gspo"] = "tis_reinforce"
     # Truncation c of the importance weight for "tis_reinforce", > 0.
     is_cap: PositiveFloat = 2.0
