@@ -306,8 +306,6 @@ async def main(a):
             with torch.no_grad():
                 old_lp, _, _ = token_logprobs(sampler, [eps[i]["seq"] for i in keep],
                                               [eps[i]["cmask"] for i in keep], tok.pad_token_id) if keep else (None, None, None)
-            olds.append(olds.pop(0))  # the sampler becomes the newest copy, after this step
-
         for g in opt.param_groups:
             g["lr"] = lr_at(step - 1, a)
         ntok = sum(sum(e["cmask"]) for e in eps)
@@ -339,9 +337,8 @@ async def main(a):
                 ecm = cm
                 if a.ent_where == "unsolved":
                     # only where the group did not all succeed
-                    solved = torch.tensor([bool(rewards.view(-1)[i] > 0) and
-                                           bool((rewards.view(a.groups, a.attempts)[i // a.attempts] > 0).all())
-                                           for i in sel])
+                    solved_group = (rewards > 0).all(dim=1)  # [groups]
+                    solved = solved_group[torch.tensor(sel) // a.attempts]
                     ecm = cm * (~solved)[:, None].to(cm.dtype)
                 loss = loss - a.ent * (ent * ecm).sum() / ntok
             if a.kl:
@@ -358,7 +355,8 @@ async def main(a):
             opt.step()
             loss_v = loss.item()
             ent_v = float((ent * cm).sum() / cm.sum())
-        if a.lag:
+        if a.lag:  # the sampler becomes the newest copy
+            olds.append(olds.pop(0))
             olds[-1].load_state_dict(model.state_dict())
         t2 = time.monotonic()
         t_gen += t1 - t0

@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from test_parallel import _pids_alive
 from rlnode.bench.learn import LearnBenchResult, LearnRun, print_table, spread
 
 
@@ -46,11 +47,7 @@ def test_table_lists_every_evaluated_version_per_run(capsys):
 
 
 def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
-    except FileNotFoundError:
-        return False
+    return bool(_pids_alive([pid]))  # a zombie has ended
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the parent-death signal is Linux's")
