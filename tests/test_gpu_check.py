@@ -25,20 +25,23 @@ def test_the_plan_names_every_step_and_marks_the_cuda_ones():
                      "weights_nccl_untied  [cuda only]", "weights_nccl_tied  [cuda only]",
                      "weights_cuda_ipc_untied  [cuda only]", "weights_cuda_ipc_tied  [cuda only]",
                      "trainer_qwen3-0.6b  [cuda only]", "trainer_qwen3-1.7b  [cuda only]",
-                     "trainer_tiny", "run"]
+                     "trainer_tiny", "gateway", "run"]
     assert "--backend cuda_ipc" in out.stdout and "--preset qwen3-1.7b" in out.stdout
     assert "trainer.max_steps=20" in out.stdout
+    assert "bench gateway" in out.stdout and "--max-tokens 1" in out.stdout
 
 
 def test_a_cpu_dry_run_writes_one_report(tmp_path):
+    """--only runs its steps in the order given (a short lease runs what
+    matters most first), not in plan order."""
     report = tmp_path / "gpu_check.json"
     out = subprocess.run([str(SCRIPT), "--device", "cpu", "--only",
-                          "environment,models,check,weights_nccl_untied,trainer_tiny",
+                          "environment,models,check,trainer_tiny,weights_nccl_untied",
                           "--out", str(report), "--work", str(tmp_path / "work")],
                          capture_output=True, text=True, timeout=600, cwd=REPO)
     assert out.returncode == 0, out.stderr[-3000:]
     steps = json.loads(report.read_text())["steps"]
-    assert list(steps) == ["environment", "models", "check", "weights_nccl_untied", "trainer_tiny"]
+    assert list(steps) == ["environment", "models", "check", "trainer_tiny", "weights_nccl_untied"]
     assert steps["environment"]["result"]["vllm"] == "0.32.0"
     findings = {f["what"]: f["level"] for f in steps["check"]["result"]["findings"]}
     assert findings["vllm"] == findings["guard"] == findings["nccl"] == "ok"
@@ -73,3 +76,23 @@ def test_the_script_registers_the_plugin_where_rlnode_is_not_installed(tmp_path)
     missing = subprocess.run([str(base), "-c", probe], capture_output=True, text=True, timeout=60, cwd=tmp_path,
                              env=dict(env, PYTHONPATH=str(repo)))
     assert "EngineGuardMissing" in missing.stderr
+
+
+def test_the_run_summary_reads_the_metrics_file(tmp_path):
+    """The run step's result: steps, first/last rewards and their 5-step
+    means, the largest on-policy logprob gap (rows without a step, like the
+    held-out evaluation's, are not steps)."""
+    from rlnode.tools.gpu_check import summarize_run
+
+    rows = [{"version": 0, "episodes": 64, "eval": True}]
+    rows += [{"step": i, "reward_mean": r, "logprob_diff_on_policy_max": d, "step_s": s}
+             for i, (r, d, s) in enumerate(zip([0.0, 0.5, 0.0, 0.5, 0.0, 0.0, 1.0],
+                                               [1e-7, 3e-7, 2e-7, 1e-7, 1e-7, 1e-7, 1e-7],
+                                               [0.3, 0.1, 0.2, 0.1, 0.1, 0.1, 0.1]), start=1)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    got = summarize_run(tmp_path)
+    assert got["steps"] == 7
+    assert got["reward_first"] == 0.0 and got["reward_last"] == 1.0
+    assert got["reward_first5_mean"] == 0.2 and got["reward_last5_mean"] == 0.3
+    assert got["on_policy_logprob_diff_max"] == 3e-7
+    assert got["step_s_median"] == 0.1
