@@ -48,6 +48,26 @@ async def test_guessing_ends_after_max_turns_and_counts_bad_replies():
     assert cube.feedback_ignoring_success() == pytest.approx(3 / 8)
 
 
+async def test_guessing_turn_cost_prices_every_guess_after_the_first():
+    """turn_cost: a win in k guesses is worth 1 - c (k - 1), so a wasted turn
+    (no number) before a win costs as much as a wrong guess; success is
+    unchanged. A cost that would make a late win worth no more than a loss
+    is refused, naming the key."""
+    cube = make_cube("g", "guessing", {"max_number": 5, "max_turns": 3, "turn_cost": 0.25}, seed=0)
+    target = cube.target("train-00000")
+    for replies, reward in (([str(target)], 1.0), (["no idea", str(target)], 0.75),
+                            (["?", "??", str(target)], 0.5), (["?", "??", "???"], 0.0)):
+        task = await cube.open_task("train-00000")
+        await task.reset()
+        for text in replies:
+            r = await task.step(act(text))
+        assert r.done and r.reward == reward
+        ev = await task.evaluate()
+        assert ev.reward == reward and ev.success is (reward > 0)
+    with pytest.raises(msgspec.ValidationError, match="turn_cost"):
+        make_cube("g", "guessing", {"max_turns": 3, "turn_cost": 0.5}, seed=0)
+
+
 async def test_guessing_is_deterministic_and_splits_disjoint():
     a = make_cube("g", "guessing", {}, seed=1)
     b = make_cube("g", "guessing", {}, seed=1)

@@ -34,10 +34,30 @@ class GuessingOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # Task instances per split (ids train-N / test-N).
     num_train_tasks: Annotated[int, Meta(ge=1)] = 10_000
     num_test_tasks: Annotated[int, Meta(ge=1)] = 64
+    # A win is worth 1 - turn_cost * (guesses - 1): every guess after the
+    # first costs this much of the win. With 0 a win is a win: a wasted
+    # turn (a reply with no number, a guess outside the stated range)
+    # costs nothing whenever a later guess still wins, so a policy that
+    # wastes turns is as good as binary search on the targets it reaches
+    # anyway, and on the targets it then misses every attempt of a group
+    # fails alike (no signal). The cost makes the groups it still wins
+    # prefer the shorter path (README "The demo over seeds"). Must leave a
+    # win worth more than a loss: turn_cost * (max_turns - 1) < 1.
+    turn_cost: Annotated[float, Meta(ge=0, lt=1)] = 0.0
     # Fault injection for drills and tests: every Nth train task (index % N
     # == 0) fails in reset, on every attempt, as a broken task server would;
     # its groups are dropped after retries. 0 = off.
     fail_reset_every: Annotated[int, Meta(ge=0)] = 0
+
+
+    def __post_init__(self):
+        if self.turn_cost * (self.max_turns - 1) >= 1:
+            raise ValueError(f"turn_cost: expected turn_cost * (max_turns - 1) < 1 so that a win in "
+                             f"{self.max_turns} guesses still beats a loss, got {self.turn_cost} with "
+                             f"max_turns {self.max_turns}")
+
+    def win_reward(self, guesses: int) -> float:
+        return 1.0 - self.turn_cost * (guesses - 1)
 
 
 class GuessingTask(CubeTask):
@@ -74,7 +94,8 @@ class GuessingTask(CubeTask):
         self.guesses.append(guess)
         if guess == self.target:
             self.solved = True
-            return StepResult("Correct!", reward=1.0, done=True, info={"guesses": len(self.guesses)})
+            return StepResult("Correct!", reward=self.opts.win_reward(len(self.guesses)), done=True,
+                              info={"guesses": len(self.guesses)})
         if guess < self.target:
             word, self.lo = "Higher", max(self.lo, guess + 1)
         else:
@@ -85,7 +106,7 @@ class GuessingTask(CubeTask):
         return StepResult(f"{word}.", done=out_of_turns)
 
     async def evaluate(self) -> Evaluation:
-        return Evaluation(reward=float(self.solved), success=self.solved,
+        return Evaluation(reward=self.opts.win_reward(len(self.guesses)) if self.solved else 0.0, success=self.solved,
                           info={"target": self.target, "guesses": self.guesses})
 
 
