@@ -48,24 +48,30 @@ async def test_guessing_ends_after_max_turns_and_counts_bad_replies():
     assert cube.feedback_ignoring_success() == pytest.approx(3 / 8)
 
 
-async def test_guessing_turn_cost_prices_every_guess_after_the_first():
-    """turn_cost: a win in k guesses is worth 1 - c (k - 1), so a wasted turn
-    (no number) before a win costs as much as a wrong guess; success is
-    unchanged. A cost that would make a late win worth no more than a loss
-    is refused, naming the key."""
-    cube = make_cube("g", "guessing", {"max_number": 5, "max_turns": 3, "turn_cost": 0.25}, seed=0)
-    target = cube.target("train-00000")
-    for replies, reward in (([str(target)], 1.0), (["no idea", str(target)], 0.75),
-                            (["?", "??", str(target)], 0.5), (["?", "??", "???"], 0.0)):
-        task = await cube.open_task("train-00000")
+async def test_guessing_wasted_turn_cost_prices_wasted_turns_only():
+    """wasted_turn_cost c: each reply with no number, or outside the range the
+    feedback already ruled in (a repeat too), costs c, win or lose; a valid
+    guess costs nothing however late the win; success is unchanged. A cost
+    that would make a win no better than a clean loss is refused, naming
+    the key."""
+    cube = make_cube("g", "guessing", {"max_number": 5, "max_turns": 3, "wasted_turn_cost": 0.2}, seed=0)
+    tid = next(t for t in await cube.task_ids("train") if cube.target(t) == 3)
+    cases = ((["3"], 1.0, True), (["1", "5", "3"], 1.0, True),  # valid guesses are free
+             (["no idea", "3"], 0.8, True),
+             (["4", "5", "3"], 0.8, True),  # 5 after "lower than 4": outside 1..3
+             (["1", "1", "3"], 0.8, True),  # a repeat is outside 2..5
+             (["?", "??", "3"], 0.6, True),
+             (["?", "1", "1"], -0.4, False), (["1", "2", "4"], 0.0, False))
+    for replies, reward, success in cases:
+        task = await cube.open_task(tid)
         await task.reset()
         for text in replies:
             r = await task.step(act(text))
-        assert r.done and r.reward == reward
-        ev = await task.evaluate()
-        assert ev.reward == reward and ev.success is (reward > 0)
-    with pytest.raises(msgspec.ValidationError, match="turn_cost"):
-        make_cube("g", "guessing", {"max_turns": 3, "turn_cost": 0.5}, seed=0)
+        assert r.done and r.reward == pytest.approx(reward if success else 0.0), replies
+        ev = await task.evaluate()  # the episode's reward
+        assert ev.reward == pytest.approx(reward) and ev.success is success, replies
+    with pytest.raises(msgspec.ValidationError, match="wasted_turn_cost"):
+        make_cube("g", "guessing", {"max_turns": 3, "wasted_turn_cost": 0.5}, seed=0)
 
 
 async def test_guessing_is_deterministic_and_splits_disjoint():

@@ -34,16 +34,16 @@ class GuessingOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # Task instances per split (ids train-N / test-N).
     num_train_tasks: Annotated[int, Meta(ge=1)] = 10_000
     num_test_tasks: Annotated[int, Meta(ge=1)] = 64
-    # A win is worth 1 - turn_cost * (guesses - 1): every guess after the
-    # first costs this much of the win. With 0 a win is a win: a wasted
-    # turn (a reply with no number, a guess outside the stated range)
-    # costs nothing whenever a later guess still wins, so a policy that
-    # wastes turns is as good as binary search on the targets it reaches
-    # anyway, and on the targets it then misses every attempt of a group
-    # fails alike (no signal). The cost makes the groups it still wins
-    # prefer the shorter path (README "The demo over seeds"). Must leave a
-    # win worth more than a loss: turn_cost * (max_turns - 1) < 1.
-    turn_cost: Annotated[float, Meta(ge=0, lt=1)] = 0.0
+    # Every wasted turn costs this much of the episode's reward, win or
+    # lose: a reply with no number, or a guess outside the range the
+    # feedback has already ruled in (a repeated guess included). With 0 a
+    # wasted turn is free whenever a later guess still wins: the demo then
+    # locked in "lower than 3" -> no number -> 1, which wins for 1 and loses
+    # every attempt for 2 alike, a group with no signal (README "The demo
+    # over seeds"). A valid guess costs nothing, so guessing 1 first for a
+    # lucky one-turn win is not favoured over splitting the range. Must
+    # leave a win worth more than a clean loss: cost * (max_turns - 1) < 1.
+    wasted_turn_cost: Annotated[float, Meta(ge=0, lt=1)] = 0.0
     # Fault injection for drills and tests: every Nth train task (index % N
     # == 0) fails in reset, on every attempt, as a broken task server would;
     # its groups are dropped after retries. 0 = off.
@@ -51,13 +51,10 @@ class GuessingOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
     def __post_init__(self):
-        if self.turn_cost * (self.max_turns - 1) >= 1:
-            raise ValueError(f"turn_cost: expected turn_cost * (max_turns - 1) < 1 so that a win in "
-                             f"{self.max_turns} guesses still beats a loss, got {self.turn_cost} with "
-                             f"max_turns {self.max_turns}")
-
-    def win_reward(self, guesses: int) -> float:
-        return 1.0 - self.turn_cost * (guesses - 1)
+        if self.wasted_turn_cost * (self.max_turns - 1) >= 1:
+            raise ValueError(f"wasted_turn_cost: expected wasted_turn_cost * (max_turns - 1) < 1 so that a win "
+                             f"after {self.max_turns - 1} wasted turns still beats a loss, got "
+                             f"{self.wasted_turn_cost} with max_turns {self.max_turns}")
 
 
 class GuessingTask(CubeTask):
@@ -67,6 +64,7 @@ class GuessingTask(CubeTask):
         self.opts = opts
         self.lo, self.hi = 1, opts.max_number
         self.guesses: list[int | None] = []
+        self.wasted = 0  # replies with no number or outside [lo, hi]
         self.solved = False
 
     async def reset(self) -> Reset:
@@ -88,14 +86,15 @@ class GuessingTask(CubeTask):
         value = first_number(action.text)
         if value is None or value != int(value):
             self.guesses.append(None)  # a wasted turn still counts
+            self.wasted += 1
             return StepResult("Reply with one whole number.", error="no number in reply",
                               done=len(self.guesses) >= self.opts.max_turns)
         guess = int(value)
         self.guesses.append(guess)
+        self.wasted += not self.lo <= guess <= self.hi
         if guess == self.target:
             self.solved = True
-            return StepResult("Correct!", reward=self.opts.win_reward(len(self.guesses)), done=True,
-                              info={"guesses": len(self.guesses)})
+            return StepResult("Correct!", reward=self.reward(), done=True, info={"guesses": len(self.guesses)})
         if guess < self.target:
             word, self.lo = "Higher", max(self.lo, guess + 1)
         else:
@@ -105,8 +104,11 @@ class GuessingTask(CubeTask):
             return StepResult(f"{word}. It is between {self.lo} and {self.hi}.", done=out_of_turns)
         return StepResult(f"{word}.", done=out_of_turns)
 
+    def reward(self) -> float:
+        return float(self.solved) - self.opts.wasted_turn_cost * self.wasted
+
     async def evaluate(self) -> Evaluation:
-        return Evaluation(reward=self.opts.win_reward(len(self.guesses)) if self.solved else 0.0, success=self.solved,
+        return Evaluation(reward=self.reward(), success=self.solved,
                           info={"target": self.target, "guesses": self.guesses})
 
 
