@@ -332,15 +332,7 @@ async def main(a):
                     w = A * torch.exp(logp.detach() - full).clamp(max=a.is_cap) * logp
             else:
                 w = A * logp
-            # --pg-norm signal: the policy-gradient term over the tokens of
-            # samples that carry signal (A != 0) only, as if zero-signal
-            # groups had been dropped (DAPO's dynamic sampling); the entropy
-            # term stays over every token. Otherwise a rare success among
-            # zero-signal groups is diluted by all of them.
-            pg_tok = ntok
-            if a.pg_norm == "signal":
-                pg_tok = max(1, sum(sum(eps[i]["cmask"]) for i in keep))
-            loss = -(w * cm).sum() / pg_tok
+            loss = -(w * cm).sum() / ntok
             if a.ent:
                 ecm = cm
                 if a.ent_where == "unsolved":
@@ -420,8 +412,6 @@ def parse(argv=None):
     p.add_argument("--is-cap", type=float, default=2.0)
     p.add_argument("--baseline", default="group", choices=["group", "batch"])
     p.add_argument("--adam-eps", type=float, default=1e-8)
-    p.add_argument("--pg-norm", default="all", choices=["all", "signal"],
-                   help="normalise the policy-gradient term by all tokens or by those of A != 0 samples")
     p.add_argument("--ent-where", default="all", choices=["all", "unsolved"])
     p.add_argument("--loss", default="tis", choices=["tis", "ppo"], help="with --lag: truncated IS or PPO-clip")
     p.add_argument("--eps-low", type=float, default=0.2)

@@ -91,7 +91,8 @@ class GuessingTask(CubeTask):
                               done=len(self.guesses) >= self.opts.max_turns)
         guess = int(value)
         self.guesses.append(guess)
-        self.wasted += not self.lo <= guess <= self.hi
+        if not self.lo <= guess <= self.hi:  # ruled out already (a repeat too)
+            self.wasted += 1
         if guess == self.target:
             self.solved = True
             return StepResult("Correct!", reward=self.reward(), done=True, info={"guesses": len(self.guesses)})
