@@ -49,7 +49,6 @@ class GuessingOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # its groups are dropped after retries. 0 = off.
     fail_reset_every: Annotated[int, Meta(ge=0)] = 0
 
-
     def __post_init__(self):
         if self.wasted_turn_cost * (self.max_turns - 1) >= 1:
             raise ValueError(f"wasted_turn_cost: expected wasted_turn_cost * (max_turns - 1) < 1 so that a win "

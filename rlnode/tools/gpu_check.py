@@ -104,9 +104,9 @@ def plan(device: str, work: Path) -> list[Step]:
                                                "--rounds", "2", "--tokens-per-step", "2048",
                                                "--prompt-tokens", "256", "--completion-tokens", "256", "--json")],
                       timeout_s=180))
-    # Issue 21's figure, which a 2-core host cannot show: the openai-SDK agent
-    # through the gateway vs the native agent loop at one token per call, with
-    # cores for the agent's processes (README "The gateway").
+    # Issue 21's figure with cores to spare for the agent's processes: the
+    # openai-SDK agent through the gateway vs the native agent loop at one
+    # token per call (README's gateway bench; 0.43 on the lent H200).
     steps.append(Step("gateway", [_rlnode("bench", "gateway", *base, *_device_sets(device, tiny, str(work / "gateway")),
                                           "--max-tokens", "1", "--rounds", "3", "--json")],
                       timeout_s=240))
