@@ -37,6 +37,7 @@ import argparse
 import json
 import os
 import shlex
+import statistics
 import subprocess
 import sys
 import time
@@ -180,19 +181,15 @@ def summarize_run(run_dir: Path) -> dict:
     def col(key):
         return [r[key] for r in steps if r.get(key) is not None]
 
-    diffs = col("logprob_diff_on_policy_max")
-    rewards = col("reward_mean")
-
-    def mean(xs):
-        return sum(xs) / len(xs) if xs else None
-
+    diffs, rewards, step_s = col("logprob_diff_on_policy_max"), col("reward_mean"), col("step_s")
     # Means over 5 steps: one step's reward of a random tiny model is mostly
     # 0 (the first GPU run read 0.0 first and last, 0.05 between).
-    return {"steps": len(steps), "reward_first": (rewards or [None])[0],
-            "reward_last": (rewards or [None])[-1],
-            "reward_first5_mean": mean(rewards[:5]), "reward_last5_mean": mean(rewards[-5:]),
+    return {"steps": len(steps), "reward_first": rewards[0] if rewards else None,
+            "reward_last": rewards[-1] if rewards else None,
+            "reward_first5_mean": statistics.fmean(rewards[:5]) if rewards else None,
+            "reward_last5_mean": statistics.fmean(rewards[-5:]) if rewards else None,
             "on_policy_logprob_diff_max": max(diffs) if diffs else None,
-            "step_s_median": sorted(col("step_s"))[len(col("step_s")) // 2] if col("step_s") else None}
+            "step_s_median": statistics.median_high(step_s) if step_s else None}
 
 
 def run_step(step: Step, device: str, budget_end: float, work: Path) -> dict:
