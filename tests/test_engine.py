@@ -94,3 +94,23 @@ async def test_prompt_too_long_is_an_engine_error(engine):
         await engine.generate([50] * 2100, SamplingSettings(max_tokens=4))
     assert engine.requests_failed == failed + 1
     assert engine.in_flight == 0
+
+
+async def test_inductor_precompiled_header_outlives_the_engine(engine, hf):
+    """The C++ header Inductor precompiles at an engine's first CPU step
+    (155 MB, 15 s of g++ on 2 idle cores, over 30 s under load, with the
+    engine core deaf to every call meanwhile: a weight push timed out on it
+    in CI) goes to <TMPDIR>/torchinductor_<user>, whatever
+    TORCHINDUCTOR_CACHE_DIR says. The engine's TMPDIR is its scratch,
+    removed with it, so it must reach the header through a link to the
+    host's directory: built by the first engine start, not by every one."""
+    from pathlib import Path
+
+    from rlnode.actor.engine import inductor_home
+
+    _, tok = hf
+    await engine.generate(_prompt(tok, "x"), SamplingSettings(max_tokens=2, seed=0))
+    home = Path(inductor_home())
+    seen = Path(engine.scratch) / home.name  # where the engine's Inductor looks
+    assert seen.is_symlink() and seen.resolve() == home.resolve(), sorted(Path(engine.scratch).iterdir())
+    assert list((home / "precompiled_headers").glob("*.h.gch")), list(home.iterdir())

@@ -175,20 +175,30 @@ SCRATCH_PREFIX = "rlnode-engine-"
 _MAX_SOCKET_PATH = 107
 
 
+def inductor_home() -> str:
+    """Torch Inductor's default cache directory as this process sees it,
+    ``<temporary directory>/torchinductor_<user>`` (the same rule as torch's
+    ``cache_dir_utils.default_cache_dir``), before an engine's TMPDIR moves it."""
+    import getpass
+    import re
+    import tempfile
+
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = f"uid_{os.getuid()}"
+    return os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
+
+
 def scratch_env(scratch: str) -> dict[str, str]:
     """The engine processes' environment for their scratch directory. Torch
     Inductor's compile cache stays where it was (it defaults to TMPDIR, and
-    a cache removed with every engine would recompile at every start)."""
+    a cache removed with every engine would recompile at every start); its
+    precompiled headers follow TMPDIR whatever the cache says, and
+    make_engine_scratch links them back (see there)."""
     env = {"VLLM_RPC_BASE_PATH": scratch, "TMPDIR": scratch}
     if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
-        import getpass
-        import tempfile
-
-        try:
-            user = getpass.getuser()
-        except (KeyError, OSError):
-            user = f"uid_{os.getuid()}"
-        env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), "torchinductor_" + user)
+        env["TORCHINDUCTOR_CACHE_DIR"] = inductor_home()
     return env
 
 
@@ -207,6 +217,18 @@ def make_engine_scratch(engine_id: int) -> str:
         raise ValueError(f"engine scratch directory {path!r} is too long for vLLM's unix sockets "
                          f"(at most {_MAX_SOCKET_PATH - 37} bytes): set TMPDIR or VLLM_RPC_BASE_PATH "
                          f"to a shorter directory")
+    # Inductor keeps its precompiled C++ header under <TMPDIR>/torchinductor_
+    # <user>/precompiled_headers (codecache._HEADER_DIR: deliberately not
+    # TORCHINDUCTOR_CACHE_DIR), and the engine's first CPU step builds it when
+    # it is missing: 15 s of g++ on 2 idle cores, over 30 s under load, while
+    # the engine core answers nothing, weight pushes included (a 30 s push
+    # timeout failed in CI that way). In a scratch removed with its engine,
+    # every engine start paid it again. This link puts the header where it
+    # would be without our TMPDIR, shared by every engine start; rmtree
+    # removes a link, not what it points to.
+    home = inductor_home()
+    os.makedirs(home, exist_ok=True)
+    os.symlink(home, os.path.join(path, os.path.basename(home)), target_is_directory=True)
     return path
 
 
