@@ -315,7 +315,7 @@ def test_engine_scratch_is_private_swept_when_its_daemon_is_gone_and_fits_a_sock
 
 
 def _check_scratch(tmp_path: Path, monkeypatch) -> None:
-    from rlnode.actor.engine import make_engine_scratch, scratch_env
+    from rlnode.actor.engine import inductor_home, make_engine_scratch, scratch_env
 
     monkeypatch.setenv("VLLM_RPC_BASE_PATH", str(tmp_path))
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -336,6 +336,10 @@ def _check_scratch(tmp_path: Path, monkeypatch) -> None:
     assert env["TORCHINDUCTOR_CACHE_DIR"].startswith(tempfile.gettempdir() + "/torchinductor_")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/opt/cache")  # the operator's choice stays theirs
     assert "TORCHINDUCTOR_CACHE_DIR" not in scratch_env(mine)
+    # Inductor's precompiled header follows TMPDIR: the scratch links it to
+    # the host's directory (test_engine's ..._header_outlives_the_engine).
+    link = Path(mine) / Path(inductor_home()).name
+    assert link.is_symlink() and link.resolve() == Path(inductor_home()).resolve()
     assert sweep_engine_scratch(str(tmp_path)) == []  # its own is not swept either
 
     deep = tmp_path / ("d" * 80)

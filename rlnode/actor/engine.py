@@ -227,8 +227,11 @@ def make_engine_scratch(engine_id: int) -> str:
     # would be without our TMPDIR, shared by every engine start; rmtree
     # removes a link, not what it points to.
     home = inductor_home()
-    os.makedirs(home, exist_ok=True)
-    os.symlink(home, os.path.join(path, os.path.basename(home)), target_is_directory=True)
+    try:
+        os.makedirs(home, exist_ok=True)
+        os.symlink(home, os.path.join(path, os.path.basename(home)), target_is_directory=True)
+    except OSError as e:  # slower first steps, nothing worse
+        log.warning("engine.inductor_header_not_shared", home=home, error=repr(e))
     return path
 
 
