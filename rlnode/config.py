@@ -255,15 +255,6 @@ class AdvantageConfig(_Section):
     baseline: Literal["mean", "leave_one_out"] = "mean"
     # Divide by the group's reward std (+ 1e-6) (GRPO-style).
     std_normalize: bool = False
-    # Scale of the positive advantages, in [0, 1] (W-REINFORCE, Zhu et al.
-    # 2025, "The Surprising Effectiveness of Negative Reinforcement in LLM
-    # Reasoning": 0.1 there); negative ones stay whole. 1 = plain. Below 1, a
-    # token that every attempt of a group shares (an early turn's decision
-    # taken the same way each time) is pushed down whenever the group's
-    # outcome still varies after it, instead of getting zero on average:
-    # the policy stops repeating a move that only sometimes wins and tries
-    # its alternatives. Groups that all succeed or all fail stay at zero.
-    positive_weight: Annotated[float, Meta(ge=0, le=1)] = 1.0
 
 
 class OptimConfig(_Section):

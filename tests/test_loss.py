@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 
-from rlnode.config import AdvantageConfig, ConfigError, LossConfig, load_config
+from rlnode.config import AdvantageConfig, LossConfig
 from rlnode.trainer.loss import LossInputs, group_advantages, policy_loss, zero_signal_groups
 
 LN2 = math.log(2.0)
@@ -52,21 +52,6 @@ def test_advantages_std_normalize_uses_population_std():
     # leave-one-out then std: [1, -1/3, -1/3, -1/3] / 0.4330127
     adv = group_advantages(rewards, AdvantageConfig(baseline="leave_one_out", std_normalize=True))
     close(adv, [[2.3094011, -0.7698004, -0.7698004, -0.7698004], [0.0] * 4])
-
-
-def test_advantages_positive_weight_scales_only_the_positive_ones():
-    # [1, 0, 0, 0] -> [0.75, -0.25, -0.25, -0.25]; lambda 0.2: 0.75 -> 0.15.
-    # A token shared by all four attempts now sums to 0.15 - 0.75 = -0.6, not 0.
-    rewards = torch.tensor([[1.0, 0.0, 0.0, 0.0], [2.0, 2.0, 2.0, 2.0], [1.0, 1.0, 0.0, 0.0]])
-    adv = group_advantages(rewards, AdvantageConfig(positive_weight=0.2))
-    close(adv, [[0.15, -0.25, -0.25, -0.25], [0.0] * 4, [0.1, 0.1, -0.5, -0.5]])
-    assert adv[0].sum() < 0 and zero_signal_groups(adv).tolist() == [False, True, False]
-    # 0 keeps only the negative samples' signal; the group still has one.
-    adv = group_advantages(rewards, AdvantageConfig(positive_weight=0.0))
-    close(adv, [[0.0, -0.25, -0.25, -0.25], [0.0] * 4, [0.0, 0.0, -0.5, -0.5]])
-    assert zero_signal_groups(adv).tolist() == [False, True, False]
-    with pytest.raises(ConfigError, match="positive_weight"):
-        load_config(overrides=["trainer.advantage.positive_weight=1.5"])
 
 
 @pytest.mark.parametrize("baseline", ["mean", "leave_one_out"])

@@ -33,10 +33,6 @@ STD_EPS = 1e-6  # added to the group std before dividing (all-equal groups -> 0)
 #   std_normalize:   adv_j /= std(R) + 1e-6, with the POPULATION std
 #                    sqrt((1/A) sum_k (R_k - mean)^2): defined for A == 1, and
 #                    0 exactly when every reward is equal, so such groups stay 0.
-#   positive_weight: adv_j *= lambda where adv_j > 0 (W-REINFORCE). A token
-#                    that all A attempts share gets sum_j adv_j = 0 with
-#                    lambda = 1 (the mean baseline), and
-#                    (lambda - 1) * sum_{adv_j < 0} |adv_j| < 0 below 1.
 def group_advantages(rewards: torch.Tensor, cfg: AdvantageConfig) -> torch.Tensor:
     r = rewards.float()  # [G, A]
     A = r.shape[1]
@@ -45,8 +41,6 @@ def group_advantages(rewards: torch.Tensor, cfg: AdvantageConfig) -> torch.Tenso
         adv = adv * (A / max(A - 1, 1))  # A == 1: r - mean is already 0
     if cfg.std_normalize:
         adv = adv / (r.std(dim=1, correction=0, keepdim=True) + STD_EPS)
-    if cfg.positive_weight != 1.0:
-        adv = torch.where(adv > 0, adv * cfg.positive_weight, adv)
     return adv  # [G, A]
 
 
