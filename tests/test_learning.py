@@ -122,3 +122,24 @@ def test_one_seed_replays_its_run_and_sync_steps_are_on_policy(tmp_path):
             assert x["offpolicy/mismatch_kl"] < 1e-8 and x["offpolicy/lag0/mismatch_kl"] < 1e-8, x
             assert x["offpolicy/logprob_absdiff_p99"] < 1e-4 and x["offpolicy/is_ess"] > 0.9999, x
             assert x["offpolicy/masked_fraction"] == 0 and x["offpolicy/truncated_fraction"] == 0, x
+
+
+def test_adaptive_entropy_coef_moves_each_step_and_resumes_where_it_was(tmp_path):
+    """trainer.loss.entropy_target through the daemon: each step trains
+    with the coefficient the previous step's entropy set (a target above
+    any entropy the 260-token vocabulary allows: up by one step each time),
+    and a resumed run goes on from the checkpoint's coefficient, not from
+    trainer.loss.entropy_coef."""
+    from rlnode.tiny_model import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "model", seed=0)
+    adaptive = ("--set", "trainer.loss.entropy_coef=0", "--set", "trainer.loss.entropy_target=50",
+                "--set", "trainer.loss.entropy_coef_step=0.01", "--set", "actor.scheduler.groups_per_step=2")
+    run = tmp_path / "run"
+    first = _finish(_start(run, model, True, 3, *adaptive), run, 3)
+    assert [round(x["loss/entropy_coef"], 6) for x in first] == [0.0, 0.01, 0.02]
+    assert all(0 < x["loss/entropy"] < 50 for x in first)
+    # The metrics file goes on: 3 records of the first run, then 2.
+    after = _finish(_start(run, model, True, 5, *adaptive, "--resume"), run, 5)[3:]
+    assert [x["step"] for x in after] == [4, 5]
+    assert [round(x["loss/entropy_coef"], 6) for x in after] == [0.03, 0.04]

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from rlnode.config import AdvantageConfig, LossConfig
-from rlnode.trainer.loss import LossInputs, group_advantages, policy_loss, zero_signal_groups
+from rlnode.trainer.loss import LossInputs, group_advantages, next_entropy_coef, policy_loss, zero_signal_groups
 
 LN2 = math.log(2.0)
 
@@ -67,6 +67,20 @@ def test_zero_signal_groups(std_normalize):
     rewards = torch.tensor([[1.0, 0.0, 0.0, 0.0], [2.0, 2.0, 2.0, 2.0], [0.5, 0.5, 0.5, 0.5], [0.0, 0.0, 0.0, 1.0]])
     adv = group_advantages(rewards, AdvantageConfig(std_normalize=std_normalize))
     assert zero_signal_groups(adv).tolist() == [False, True, True, False]
+
+
+def test_adaptive_entropy_coef_moves_towards_the_target_within_bounds():
+    cfg = LossConfig(entropy_coef=0.01, entropy_target=0.3, entropy_coef_step=0.004, entropy_coef_max=0.02)
+    c = cfg.entropy_coef
+    trace = []
+    for h in (2.0, 2.0, 2.0, 0.1, 0.1, 0.1, 0.1, 0.1, 0.5):
+        c = next_entropy_coef(c, h, cfg)
+        trace.append(round(c, 6))
+    # Above the target: down to 0 and no lower; below: up to the ceiling; above again: down.
+    assert trace == [0.006, 0.002, 0.0, 0.004, 0.008, 0.012, 0.016, 0.02, 0.016]
+    # Off (no target), or a step without an entropy figure: unchanged.
+    assert next_entropy_coef(0.01, 0.0, LossConfig(entropy_coef=0.01)) == 0.01
+    assert next_entropy_coef(0.01, None, cfg) == next_entropy_coef(0.01, float("nan"), cfg) == 0.01
 
 
 # --------------------------------------------------------------------- loss

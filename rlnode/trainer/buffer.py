@@ -50,6 +50,9 @@ class Batch:
     # would take a many-times larger step).
     norm_tokens: int = 0
     norm_samples: int = 0
+    # This step's entropy coefficient (adaptive control: the daemon's);
+    # None = trainer.loss.entropy_coef.
+    entropy_coef: float | None = None
 
 
 @dataclass

@@ -32,6 +32,7 @@ from rlnode.aio import run_until_stopped
 from rlnode.log import get_logger, set_version
 from rlnode.ops.netaddr import resolve_advertise_host
 from rlnode.trainer.buffer import GroupBuffer
+from rlnode.trainer.loss import next_entropy_coef
 
 log = get_logger("rlnode.trainer")
 
@@ -54,7 +55,11 @@ class TrainerDaemon:
         self.pusher = None
         loss = cfg.trainer.loss
         self.buffer = GroupBuffer(cfg.actor.scheduler.groups_per_step, effective_max_lag(cfg), cfg.trainer.advantage,
-                                  keep_zero_signal=loss.entropy_coef > 0 or loss.kl_coef > 0)
+                                  keep_zero_signal=loss.entropy_coef > 0 or loss.entropy_target > 0
+                                  or loss.kl_coef > 0)
+        # The entropy bonus's coefficient, moved after each step when
+        # trainer.loss.entropy_target is set (loss.next_entropy_coef).
+        self.entropy_coef = loss.entropy_coef
         self.pending_commit: list[str] = []  # consumed since the last checkpoint
         self.empty_batches = 0  # batches consumed without a step (nothing to train on)
         self.waiting_for_engines = False  # the train loop holds a step until a push lands
@@ -120,6 +125,7 @@ class TrainerDaemon:
             return [], []
         state = await asyncio.to_thread(self.checkpoints.load, path, *self._state_views())
         self.version, self.step = state["version"], state["step"]
+        self.entropy_coef = state.get("entropy_coef", self.entropy_coef)
         restored = await asyncio.to_thread(self.checkpoints.load_buffer, path)
         for g in restored:
             self.buffer.put(g)
@@ -240,6 +246,7 @@ class TrainerDaemon:
         of consumed groups (saved in the checkpoint) always agree."""
         # Under the weight guard: no push reads the parameters mid-step.
         train = self.ranks.train_step if self.ranks is not None else self.learner.train_step
+        batch.entropy_coef = self.entropy_coef
         step = asyncio.ensure_future(asyncio.to_thread(self.pusher.guard.step, train, batch))
         try:
             m = await asyncio.shield(step)
@@ -261,6 +268,7 @@ class TrainerDaemon:
         self.version += 1
         self.pending_commit += batch.group_ids
         set_version(self.version)
+        self.entropy_coef = next_entropy_coef(self.entropy_coef, m.extra.get("entropy"), self.cfg.trainer.loss)
 
     def _write_step_metrics(self, batch, m, push_s: float, pushed: bool, step_s: float) -> None:
         rewards = batch.rewards
@@ -284,6 +292,7 @@ class TrainerDaemon:
             # Where each group died: trained (or skipped) in this step.
             "group_ids": batch.group_ids,
             **{f"loss/{k}": v for k, v in m.extra.items() if k != "tokens"},
+            "loss/entropy_coef": batch.entropy_coef,  # the coefficient this step trained with
             # Train/inference mismatch (loss.mismatch_figures): overall and
             # per token version lag; trained tokens per lag.
             **{f"offpolicy/{k}": v for k, v in m.mismatch.items()},
@@ -322,7 +331,7 @@ class TrainerDaemon:
         buffered = self.buffer.snapshot()
         path = await asyncio.to_thread(
             self.checkpoints.save, self.step, self.version, model, optimizer, scheduler,
-            self.cfg.model.path, consumed, {"run": self.cfg.run.name}, buffered)
+            self.cfg.model.path, consumed, {"run": self.cfg.run.name, "entropy_coef": self.entropy_coef}, buffered)
         # Only now are these groups durable here (trained, or saved in the
         # checkpoint's buffer): their actors may forget them.
         self.link.mark_consumed(self.pending_commit + [g.group_id for g in buffered])

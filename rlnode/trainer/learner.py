@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import msgspec
 import numpy as np
 import torch
 
@@ -304,6 +305,9 @@ class Learner:
         samples = batch.samples
         tokens = int(sum(int(s.completion_mask.sum()) for s in samples))
         normalizer = float(batch.norm_tokens if cfg.loss.normalize == "tokens" else batch.norm_samples) or 1.0
+        loss_cfg = cfg.loss
+        if batch.entropy_coef is not None and batch.entropy_coef != loss_cfg.entropy_coef:
+            loss_cfg = msgspec.structs.replace(loss_cfg, entropy_coef=batch.entropy_coef)
         self.optimizer.zero_grad(set_to_none=True)
         total_loss, diff_sum, agg = 0.0, 0.0, {}
         on_policy_max: float | None = None
@@ -314,7 +318,7 @@ class Learner:
         mbs = self.micro_batches(samples)
         for mb in mbs:
             part = [samples[i] for i in mb.samples]
-            logp, mask, entropy = self.token_logprobs(self.model, part, entropy_grad=cfg.loss.entropy_coef > 0,
+            logp, mask, entropy = self.token_logprobs(self.model, part, entropy_grad=loss_cfg.entropy_coef > 0,
                                                       rows=mb.rows)
             mu = torch.zeros_like(logp)
             lag = torch.zeros(logp.shape, dtype=torch.long)
@@ -330,7 +334,7 @@ class Learner:
             adv = torch.tensor([batch.advantages[i] for i in mb.samples], dtype=torch.float32, device=self.device)
             # Divided by the whole step's normalizer: the micro-batch losses
             # (and their gradients) sum to the loss of the step as one batch.
-            out = policy_loss(LossInputs(logp, mu, adv, mask, ref, entropy, lag), cfg.loss, normalizer)
+            out = policy_loss(LossInputs(logp, mu, adv, mask, ref, entropy, lag), loss_cfg, normalizer)
             out.loss.backward()
             trained = mask.bool()
             log_ratios.append((logp.detach() - mu)[trained].cpu())

@@ -102,6 +102,11 @@ class LossOutput:
 #       have A = 0 and no policy gradient, so without it a policy that turned
 #       deterministic too early can never leave (the trainer then keeps
 #       zero-signal groups in the batch for this term).
+#   Adaptive (entropy_target = H* > 0), once per optimizer step k, with the
+#   step's mean entropy over its trained tokens H_k (next_entropy_coef):
+#       c_{k+1} = clip(c_k + step * sign(H* - H_k), 0, entropy_coef_max)
+#   No bonus while the policy is above H* (a fresh one is far above it); a
+#   growing one once it has fallen below, until it is back.
 # Lag mask (max_token_lag = L >= 0): l_t *= 1[lag_t <= L], lag_t = trainer
 #   version - version of the weights that produced token t. Per-token IS
 #   masking by version lag: the further behind mu is, the less a (truncated)
@@ -120,6 +125,15 @@ class LossOutput:
 #   "sequences": loss = sum_i (1/|y_i|) sum_t l_t / N,   N = samples in step
 # With "sequences", gspo is the paper's objective exactly (its gradient per
 # token is -A s_i / |y_i|); with "tokens" longer samples weigh more.
+def next_entropy_coef(coef: float, entropy: float | None, cfg: LossConfig) -> float:
+    """The entropy coefficient for the next step (adaptive control above);
+    ``coef`` unchanged when it is off or the step measured no entropy."""
+    if cfg.entropy_target <= 0 or entropy is None or not math.isfinite(entropy):
+        return coef
+    step = cfg.entropy_coef_step if entropy < cfg.entropy_target else -cfg.entropy_coef_step
+    return min(cfg.entropy_coef_max, max(0.0, coef + step))
+
+
 def policy_loss(inp: LossInputs, cfg: LossConfig, normalizer: float) -> LossOutput:
     if normalizer <= 0:
         raise ValueError(f"normalizer must be > 0, got {normalizer}")

@@ -123,7 +123,7 @@ class RankGroup:
         parts = [StepPart([batch.samples[i] for i in ix], [batch.advantages[i] for i in ix],
                           [batch.lags[i] for i in ix]) for ix in idx]
         with self._lock:
-            cmd = Step(parts, batch.norm_tokens, batch.norm_samples, batch.version)
+            cmd = Step(parts, batch.norm_tokens, batch.norm_samples, batch.version, batch.entropy_coef)
             send_command(cmd, self.rank0.ctl)
             return self.rank0.step(cmd)
 

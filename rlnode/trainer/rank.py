@@ -45,6 +45,7 @@ class Step(msgspec.Struct, tag="step", array_like=True):
     norm_tokens: int  # the whole step's loss normalizers (every rank's)
     norm_samples: int
     version: int = 0  # the trainer's version: token lags count from it
+    entropy_coef: float | None = None  # Batch.entropy_coef
 
 
 class Gather(msgspec.Struct, tag="gather", array_like=True):
@@ -242,7 +243,8 @@ class RankLearner:
         part = cmd.parts[self.rank]
         batch = Batch(part.samples, part.advantages, [], [], [], part.lags,
                       token_lags=[cmd.version - token_versions(s) for s in part.samples],
-                      norm_tokens=cmd.norm_tokens, norm_samples=cmd.norm_samples, version=cmd.version)
+                      norm_tokens=cmd.norm_tokens, norm_samples=cmd.norm_samples, version=cmd.version,
+                      entropy_coef=cmd.entropy_coef)
         self.sync.active = True
         try:
             m = self.learner.train_step(batch)
