@@ -238,10 +238,12 @@ class LossConfig(_Section):
     entropy_coef: Annotated[float, Meta(ge=0)] = 0.0
     # Adaptive entropy control (Skywork-OR1's): the mean entropy (nats) of
     # the trained tokens to hold the policy at or above; 0 = off (entropy_coef
-    # is constant). > 0: entropy_coef is where the coefficient starts, and
-    # after every step it moves by entropy_coef_step, up when the step's
-    # entropy was below the target and down (not below 0) when above, within
-    # [0, entropy_coef_max] (loss.next_entropy_coef). Why: a constant bonus
+    # is constant). > 0: entropy_coef is where the coefficient starts and its
+    # floor, and after every step it moves by entropy_coef_step, up when the
+    # step's entropy was below the target and down when above, within
+    # [entropy_coef, entropy_coef_max] (loss.next_entropy_coef; 0 as the
+    # floor is Skywork-OR1's form: on the demo's seed 1 that took away the
+    # early 0.01 and the run never reached 0.8). Why: a constant bonus
     # that is large enough to re-open a choice the policy made for good
     # (0.05 on the demo) keeps a fresh policy near-uniform (held-out success
     # 0.58-0.62 at v200-v400 against 0.78-1.00 with 0.01), and one small

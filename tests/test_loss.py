@@ -70,14 +70,15 @@ def test_zero_signal_groups(std_normalize):
 
 
 def test_adaptive_entropy_coef_moves_towards_the_target_within_bounds():
-    cfg = LossConfig(entropy_coef=0.01, entropy_target=0.3, entropy_coef_step=0.004, entropy_coef_max=0.02)
-    c = cfg.entropy_coef
+    cfg = LossConfig(entropy_coef=0.002, entropy_target=0.3, entropy_coef_step=0.004, entropy_coef_max=0.02)
+    c = 0.01  # e.g. where a checkpoint left it
     trace = []
-    for h in (2.0, 2.0, 2.0, 0.1, 0.1, 0.1, 0.1, 0.1, 0.5):
+    for h in (2.0, 2.0, 2.0, 0.1, 0.1, 0.1, 0.1, 0.1, 0.5, 0.5):
         c = next_entropy_coef(c, h, cfg)
         trace.append(round(c, 6))
-    # Above the target: down to 0 and no lower; below: up to the ceiling; above again: down.
-    assert trace == [0.006, 0.002, 0.0, 0.004, 0.008, 0.012, 0.016, 0.02, 0.016]
+    # Above the target: down to entropy_coef and no lower; below: up to the
+    # ceiling; above again: down.
+    assert trace == [0.006, 0.002, 0.002, 0.006, 0.01, 0.014, 0.018, 0.02, 0.016, 0.012]
     # Off (no target), or a step without an entropy figure: unchanged.
     assert next_entropy_coef(0.01, 0.0, LossConfig(entropy_coef=0.01)) == 0.01
     assert next_entropy_coef(0.01, None, cfg) == next_entropy_coef(0.01, float("nan"), cfg) == 0.01

@@ -104,9 +104,9 @@ class LossOutput:
 #       zero-signal groups in the batch for this term).
 #   Adaptive (entropy_target = H* > 0), once per optimizer step k, with the
 #   step's mean entropy over its trained tokens H_k (next_entropy_coef):
-#       c_{k+1} = clip(c_k + step * sign(H* - H_k), 0, entropy_coef_max)
-#   No bonus while the policy is above H* (a fresh one is far above it); a
-#   growing one once it has fallen below, until it is back.
+#       c_{k+1} = clip(c_k + step * sign(H* - H_k), entropy_coef, entropy_coef_max)
+#   The configured bonus while the policy is above H* (a fresh one is far
+#   above it); a growing one once it has fallen below, until it is back.
 # Lag mask (max_token_lag = L >= 0): l_t *= 1[lag_t <= L], lag_t = trainer
 #   version - version of the weights that produced token t. Per-token IS
 #   masking by version lag: the further behind mu is, the less a (truncated)
@@ -131,7 +131,7 @@ def next_entropy_coef(coef: float, entropy: float | None, cfg: LossConfig) -> fl
     if cfg.entropy_target <= 0 or entropy is None or not math.isfinite(entropy):
         return coef
     step = cfg.entropy_coef_step if entropy < cfg.entropy_target else -cfg.entropy_coef_step
-    return min(cfg.entropy_coef_max, max(0.0, coef + step))
+    return min(max(cfg.entropy_coef_max, cfg.entropy_coef), max(cfg.entropy_coef, coef + step))
 
 
 def policy_loss(inp: LossInputs, cfg: LossConfig, normalizer: float) -> LossOutput:
