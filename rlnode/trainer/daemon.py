@@ -125,7 +125,8 @@ class TrainerDaemon:
             return [], []
         state = await asyncio.to_thread(self.checkpoints.load, path, *self._state_views())
         self.version, self.step = state["version"], state["step"]
-        self.entropy_coef = state.get("entropy_coef", self.entropy_coef)
+        if self.cfg.trainer.loss.entropy_target > 0:  # else the configured constant, whatever it was
+            self.entropy_coef = max(self.cfg.trainer.loss.entropy_coef, state.get("entropy_coef", self.entropy_coef))
         restored = await asyncio.to_thread(self.checkpoints.load_buffer, path)
         for g in restored:
             self.buffer.put(g)

@@ -125,15 +125,6 @@ class LossOutput:
 #   "sequences": loss = sum_i (1/|y_i|) sum_t l_t / N,   N = samples in step
 # With "sequences", gspo is the paper's objective exactly (its gradient per
 # token is -A s_i / |y_i|); with "tokens" longer samples weigh more.
-def next_entropy_coef(coef: float, entropy: float | None, cfg: LossConfig) -> float:
-    """The entropy coefficient for the next step (adaptive control above);
-    ``coef`` unchanged when it is off or the step measured no entropy."""
-    if cfg.entropy_target <= 0 or entropy is None or not math.isfinite(entropy):
-        return coef
-    step = cfg.entropy_coef_step if entropy < cfg.entropy_target else -cfg.entropy_coef_step
-    return min(max(cfg.entropy_coef_max, cfg.entropy_coef), max(cfg.entropy_coef, coef + step))
-
-
 def policy_loss(inp: LossInputs, cfg: LossConfig, normalizer: float) -> LossOutput:
     if normalizer <= 0:
         raise ValueError(f"normalizer must be > 0, got {normalizer}")
@@ -206,6 +197,16 @@ def policy_loss(inp: LossInputs, cfg: LossConfig, normalizer: float) -> LossOutp
         stats["lag_masked_fraction"] = lag_masked.sum() / den
     values = torch.stack(list(stats.values())).tolist()  # one device sync
     return LossOutput(loss=loss, metrics=dict(zip(stats, values)))
+
+
+def next_entropy_coef(coef: float, entropy: float | None, cfg: LossConfig) -> float:
+    """The entropy coefficient for the next step (the adaptive control in
+    the comment above policy_loss);
+    ``coef`` unchanged when it is off or the step measured no entropy."""
+    if cfg.entropy_target <= 0 or entropy is None or not math.isfinite(entropy):
+        return coef
+    step = cfg.entropy_coef_step if entropy < cfg.entropy_target else -cfg.entropy_coef_step
+    return min(max(cfg.entropy_coef_max, cfg.entropy_coef), max(cfg.entropy_coef, coef + step))
 
 
 # ---------------------------------------------------------------------------
