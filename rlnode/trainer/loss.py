@@ -201,8 +201,8 @@ def policy_loss(inp: LossInputs, cfg: LossConfig, normalizer: float) -> LossOutp
 
 def next_entropy_coef(coef: float, entropy: float | None, cfg: LossConfig) -> float:
     """The entropy coefficient for the next step (the adaptive control in
-    the comment above policy_loss);
-    ``coef`` unchanged when it is off or the step measured no entropy."""
+    the comment above policy_loss); ``coef`` unchanged when it is off or
+    the step measured no entropy."""
     if cfg.entropy_target <= 0 or entropy is None or not math.isfinite(entropy):
         return coef
     step = cfg.entropy_coef_step if entropy < cfg.entropy_target else -cfg.entropy_coef_step
