@@ -159,6 +159,9 @@ def test_metrics_parse_and_move(running_job):
     # The train/inference mismatch of the last step, overall and per token lag.
     assert 0 <= second[("rlnode_trainer_mismatch_kl", ())] < 1
     assert 0 < second[("rlnode_trainer_is_ess", ())] <= 1
+    # The policy's entropy and the bonus coefficient it trained with.
+    assert second[("rlnode_trainer_entropy", ())] > 0
+    assert second[("rlnode_trainer_entropy_coef", ())] >= 0
     by_lag = {dict(lab)["lag"]: v for (n, lab), v in second.items() if n == "rlnode_trainer_tokens_by_lag"}
     assert by_lag and all(v > 0 for v in by_lag.values()), by_lag
     assert {dict(lab)["lag"] for (n, lab), _ in second.items() if n == "rlnode_trainer_mismatch_kl_by_lag"} == set(by_lag)
@@ -220,6 +223,7 @@ def test_dashboard_renders_real_data(running_job, tmp_path):
     assert int(points["lag"]) >= 4 and int(points["router"]) >= 2, points
     # The off-policy figures: a point per step and series.
     assert int(points["mismatch"]) >= 6 and int(points["weights"]) >= 6 and int(points["taglag"]) >= 2, points
+    assert int(points["entropy"]) >= 8, points  # entropy and its coefficient, a point per step each
     assert "healthy" in dom and "step " in dom
     shot = tmp_path / "dashboard.png"
     subprocess.run([*flags, f"--screenshot={shot}", url], capture_output=True, timeout=120)

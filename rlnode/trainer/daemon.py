@@ -446,6 +446,10 @@ class TrainerDaemon:
                            ("logprob_diff_mean", "last step mean |engine - trainer| logprob")):
             if key in m:
                 out.append((f"rlnode_trainer_{key}", "gauge", help_, {}, float(m[key])))
+        for key, help_ in (("entropy", "last step mean policy entropy per trained token (nats)"),
+                           ("entropy_coef", "last step entropy bonus coefficient (trainer.loss.entropy_target moves it)")):
+            if f"loss/{key}" in m and m[f"loss/{key}"] is not None:
+                out.append((f"rlnode_trainer_{key}", "gauge", help_, {}, float(m[f"loss/{key}"])))
         for key, help_ in OFFPOLICY_GAUGES:
             if f"offpolicy/{key}" in m:
                 out.append((f"rlnode_trainer_{key}", "gauge", help_, {}, float(m[f"offpolicy/{key}"])))
