@@ -443,13 +443,12 @@ class TrainerDaemon:
                            ("grad_norm", "last step gradient norm"), ("lag_mean", "last step mean lag"),
                            ("lag_max", "last step max lag"), ("step_s", "last step wall time"),
                            ("train_s", "last step compute time"), ("weight_push_s", "last weight update"),
-                           ("logprob_diff_mean", "last step mean |engine - trainer| logprob")):
+                           ("logprob_diff_mean", "last step mean |engine - trainer| logprob"),
+                           ("loss/entropy", "last step mean policy entropy per trained token (nats)"),
+                           ("loss/entropy_coef",
+                            "last step entropy bonus coefficient (trainer.loss.entropy_target moves it)")):
             if key in m:
-                out.append((f"rlnode_trainer_{key}", "gauge", help_, {}, float(m[key])))
-        for key, help_ in (("entropy", "last step mean policy entropy per trained token (nats)"),
-                           ("entropy_coef", "last step entropy bonus coefficient (trainer.loss.entropy_target moves it)")):
-            if f"loss/{key}" in m and m[f"loss/{key}"] is not None:
-                out.append((f"rlnode_trainer_{key}", "gauge", help_, {}, float(m[f"loss/{key}"])))
+                out.append((f"rlnode_trainer_{key.removeprefix('loss/')}", "gauge", help_, {}, float(m[key])))
         for key, help_ in OFFPOLICY_GAUGES:
             if f"offpolicy/{key}" in m:
                 out.append((f"rlnode_trainer_{key}", "gauge", help_, {}, float(m[f"offpolicy/{key}"])))
