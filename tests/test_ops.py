@@ -191,7 +191,9 @@ def test_the_trainer_mirrors_its_metrics_to_tensorboard_and_wandb(running_job):
             break
         time.sleep(1)
     assert [(x["version"], x["reward_mean"]) for x in steps] == [(v, pytest.approx(r)) for v, r in tb[:len(steps)]]
-    rows = [r for r in wandb_history(running_job.run_dir, want=1) if "offpolicy/mismatch_kl" in r]
+    # Wait for a step row, not just any row: under CI's load wandb's core
+    # process had written none of them 30 s in (an empty list at 0675444).
+    rows = wandb_history(running_job.run_dir, want=1, timeout_s=120, having="offpolicy/mismatch_kl")
     # The job keeps stepping while we wait: read metrics.jsonl again after the
     # W&B rows. MetricsWriter writes the file before it hands a record to the
     # trackers, so every version W&B has is in the file by now.

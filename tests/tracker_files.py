@@ -51,14 +51,16 @@ def _records(path: Path):
             parts = b""
 
 
-def wandb_history(run_dir: Path, want: int = 0, timeout_s: float = 30.0) -> list[dict]:
+def wandb_history(run_dir: Path, want: int = 0, timeout_s: float = 30.0, having: str | None = None) -> list[dict]:
     """The history rows (``run.log`` calls) of the W&B offline run(s) under
-    ``run_dir`` (…/wandb/offline-run-*/run-*.wandb), in order. wandb's core
-    process writes the file after ``run.finish()`` returns: wait up to
-    ``timeout_s`` for at least ``want`` rows."""
+    ``run_dir`` (…/wandb/offline-run-*/run-*.wandb), in order; only the rows
+    that hold the key ``having`` when it is given. wandb's core process
+    writes the file lazily (after ``run.finish()`` returns, or whenever it
+    gets to it on a loaded box): wait up to ``timeout_s`` for at least
+    ``want`` such rows."""
     deadline = time.monotonic() + timeout_s
     while True:
-        rows = _history(run_dir)
+        rows = [r for r in _history(run_dir) if having is None or having in r]
         if len(rows) >= want or time.monotonic() > deadline:
             return rows
         time.sleep(0.2)
