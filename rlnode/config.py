@@ -274,6 +274,17 @@ class AdvantageConfig(_Section):
     baseline: Literal["mean", "leave_one_out"] = "mean"
     # Divide by the group's reward std (+ 1e-6) (GRPO-style).
     std_normalize: bool = False
+    # What a group whose episodes all got the same reward is compared to.
+    # "group": its own mean, so advantage 0 and no policy gradient (GRPO).
+    # "step": the mean reward of the step's OTHER groups (divided by the
+    # std of the step's rewards under std_normalize). A policy that turned
+    # deterministic on a task it now always fails gets a negative advantage
+    # there and is pushed off it; a task it always solves is held (positive
+    # advantage) against interference from the tasks still being learnt.
+    # With "group" both are silent: on the demo, a policy at 1.0 fell to
+    # 0.77-0.80 for 150 steps (run D, sync seed 1; README "The demo over
+    # seeds"). A step whose groups all got one reward stays silent.
+    zero_signal_baseline: Literal["group", "step"] = "group"
 
 
 class OptimConfig(_Section):

@@ -101,6 +101,27 @@ def test_batch_drops_stale_and_skips_zero_signal(hf_model):
     assert (batch.norm_samples, batch.norm_tokens) == (3, 3)
 
 
+def test_step_baseline_trains_a_group_that_always_fails(hf_model):
+    """advantage.zero_signal_baseline = "step": a group whose episodes all
+    failed is trained with a negative advantage (the other group's mean is
+    higher), still counted as zero-signal and as all-failed; under the
+    default it is skipped."""
+    def groups():
+        return [group("g1", [1.0, 0.0], [make_sample(hf_model, [5], [6], "g1/e0", 0),
+                                         make_sample(hf_model, [5], [7], "g1/e1", 0)]),
+                group("g2", [-0.5, -0.5], [make_sample(hf_model, [5], [8], "g2/e0", 0),
+                                           make_sample(hf_model, [5], [8], "g2/e1", 0)])]
+    counters = BufferCounters()
+    batch = build_batch(groups(), 0, 1, AdvantageConfig(zero_signal_baseline="step"), counters)
+    assert [s.episode_id for s in batch.samples] == ["g1/e0", "g1/e1", "g2/e0", "g2/e1"]
+    assert batch.advantages == pytest.approx([0.5, -0.5, -1.0, -1.0])  # g2: -0.5 - mean(1, 0)
+    assert (batch.zero_signal_groups, batch.groups_all_failed, batch.groups_all_solved) == (1, 1, 0)
+    assert counters.groups_zero_signal == 1 and counters.groups_trained == 2
+    default = build_batch(groups(), 0, 1, AdvantageConfig(), BufferCounters())
+    assert [s.episode_id for s in default.samples] == ["g1/e0", "g1/e1"]
+    assert (default.zero_signal_groups, default.groups_all_failed) == (1, 1)
+
+
 def test_train_step_moves_logprob_with_the_advantage(tiny_model_dir, hf_model):
     cfg = load_config(None, [f"model.path={tiny_model_dir}", "trainer.device=\"cpu\"", "trainer.optim.lr=1e-2",
                              "trainer.micro_batch_size=1"])

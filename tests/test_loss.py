@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from rlnode.config import AdvantageConfig, LossConfig
-from rlnode.trainer.loss import LossInputs, group_advantages, next_entropy_coef, policy_loss, zero_signal_groups
+from rlnode.trainer.loss import LossInputs, equal_reward_groups, group_advantages, next_entropy_coef, policy_loss, zero_signal_groups
 
 LN2 = math.log(2.0)
 
@@ -67,6 +67,33 @@ def test_zero_signal_groups(std_normalize):
     rewards = torch.tensor([[1.0, 0.0, 0.0, 0.0], [2.0, 2.0, 2.0, 2.0], [0.5, 0.5, 0.5, 0.5], [0.0, 0.0, 0.0, 1.0]])
     adv = group_advantages(rewards, AdvantageConfig(std_normalize=std_normalize))
     assert zero_signal_groups(adv).tolist() == [False, True, True, False]
+
+
+def test_step_baseline_gives_equal_reward_groups_the_other_groups_mean():
+    # Groups: mixed [1, 0], all failed [-0.6, -0.6], all solved [1, 1].
+    # Mixed keeps its own mean (0.5): [0.5, -0.5].
+    # All failed: the others' 4 rewards average (1 + 0 + 1 + 1) / 4 = 0.75 -> -1.35 each.
+    # All solved: the others' average (1 + 0 - 0.6 - 0.6) / 4 = -0.05 -> 1.05 each.
+    rewards = torch.tensor([[1.0, 0.0], [-0.6, -0.6], [1.0, 1.0]])
+    adv = group_advantages(rewards, AdvantageConfig(zero_signal_baseline="step"))
+    close(adv, [[0.5, -0.5], [-1.35, -1.35], [1.05, 1.05]])
+    assert zero_signal_groups(adv).tolist() == [False, False, False]
+    assert equal_reward_groups(rewards).tolist() == [False, True, True]
+    # "group" (the default) leaves them silent.
+    assert zero_signal_groups(group_advantages(rewards, AdvantageConfig())).tolist() == [False, True, True]
+    # std_normalize: the equal groups divide by the step's population std
+    # over its 6 rewards (mean 0.3, var = (0.49 + 0.09 + 0.81 * 2 + 0.49 * 2) / 6 = 0.53).
+    adv = group_advantages(rewards, AdvantageConfig(zero_signal_baseline="step", std_normalize=True))
+    std = 0.53 ** 0.5
+    close(adv, [[1.0, -1.0], [-1.35 / std] * 2, [1.05 / std] * 2], tol=1e-5)
+
+
+def test_step_baseline_leaves_a_step_of_one_reward_silent():
+    # Every group got the same reward (nothing to compare with), and a step
+    # of one group has no other group: both stay zero-signal.
+    for rewards in (torch.full((3, 4), 0.7), torch.tensor([[2.0, 2.0, 2.0]])):
+        adv = group_advantages(rewards, AdvantageConfig(zero_signal_baseline="step", std_normalize=True))
+        assert zero_signal_groups(adv).all()
 
 
 def test_adaptive_entropy_coef_moves_towards_the_target_within_bounds():

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from rlnode.config import AdvantageConfig
-from rlnode.trainer.loss import group_advantages, zero_signal_groups
+from rlnode.trainer.loss import equal_reward_groups, group_advantages, zero_signal_groups
 from rlnode.wire import GroupDelivery, TrainingSample, span_version
 
 
@@ -40,7 +40,14 @@ class Batch:
     token_lags: list[np.ndarray] = field(default_factory=list)
     version: int = 0  # the trainer version the lags are counted from
     dropped_stale: int = 0
+    # Groups whose episodes all got one reward (trained under
+    # advantage.zero_signal_baseline = "step", else skipped or kept for
+    # the entropy term), and groups in which every episode failed / every
+    # one succeeded: a task the policy always fails is what a late fall
+    # looks like (README "The demo over seeds").
     zero_signal_groups: int = 0
+    groups_all_failed: int = 0
+    groups_all_solved: int = 0
     cubes: dict[str, list[float]] = field(default_factory=dict)  # cube id -> episode rewards
     # Tokens and samples of every fresh sample of the consumed groups,
     # zero-signal ones included: the loss normaliser. Zero-signal samples
@@ -122,21 +129,26 @@ def token_versions(s: TrainingSample) -> np.ndarray:
 
 def build_batch(groups: list[GroupDelivery], version: int, max_lag: int, adv_cfg: AdvantageConfig,
                 counters: BufferCounters, keep_zero_signal: bool = False) -> Batch:
-    """``keep_zero_signal``: train on zero-signal groups' samples too, with
-    advantage 0 (only an entropy or KL term acts on them); they are counted
-    as zero-signal either way."""
+    """``keep_zero_signal``: train on the samples of groups whose advantages
+    are all 0 too (only an entropy or KL term acts on them). A group whose
+    rewards are all equal is counted as zero-signal whatever its advantage
+    (advantage.zero_signal_baseline = "step" gives it one)."""
     batch = Batch([], [], [g.group_id for g in groups], [], [], [], version=version)
     if not groups:
         return batch
     # rewards [G, A]: groups are complete, so every row has `attempts` entries.
     rewards = torch.tensor([[e.reward for e in g.episodes] for g in groups], dtype=torch.float64)
     adv = group_advantages(rewards, adv_cfg)
+    equal = equal_reward_groups(rewards)
     silent = zero_signal_groups(adv)
     for gi, g in enumerate(groups):
         batch.rewards += [e.reward for e in g.episodes]
         batch.successes += [float(e.success) for e in g.episodes]
         batch.cubes.setdefault(g.cube_id, []).extend(e.reward for e in g.episodes)
-        if silent[gi]:
+        solved = sum(bool(e.success) for e in g.episodes)
+        batch.groups_all_failed += solved == 0
+        batch.groups_all_solved += solved == len(g.episodes)
+        if equal[gi]:
             batch.zero_signal_groups += 1
             counters.groups_zero_signal += 1
         if silent[gi] and not keep_zero_signal:

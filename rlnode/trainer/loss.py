@@ -33,20 +33,41 @@ STD_EPS = 1e-6  # added to the group std before dividing (all-equal groups -> 0)
 #   std_normalize:   adv_j /= std(R) + 1e-6, with the POPULATION std
 #                    sqrt((1/A) sum_k (R_k - mean)^2): defined for A == 1, and
 #                    0 exactly when every reward is equal, so such groups stay 0.
+# zero_signal_baseline = "step", for a group g whose rewards are all equal
+# (R_gj = R_g), over the step's G groups (G > 1):
+#   adv_gj = R_g - mean of the rewards of the other G-1 groups
+#            (/ (std over all G*A rewards of the step + 1e-6) with std_normalize)
+#   The other groups' rewards do not depend on g's actions: a baseline, like
+#   the group mean, that leaves the gradient unbiased.
 def group_advantages(rewards: torch.Tensor, cfg: AdvantageConfig) -> torch.Tensor:
     r = rewards.float()  # [G, A]
-    A = r.shape[1]
+    G, A = r.shape
     adv = r - r.mean(dim=1, keepdim=True)  # [G, A]
     if cfg.baseline == "leave_one_out":
         adv = adv * (A / max(A - 1, 1))  # A == 1: r - mean is already 0
     if cfg.std_normalize:
         adv = adv / (r.std(dim=1, correction=0, keepdim=True) + STD_EPS)
+    if cfg.zero_signal_baseline == "step" and G > 1:
+        others = (r.sum() - r.sum(dim=1)) / ((G - 1) * A)  # [G]
+        step_adv = r - others[:, None]  # [G, A]
+        # A step of one reward: rounding in the means, not signal (and it
+        # would be divided by a std of ~0 below).
+        step_adv = torch.where(step_adv.abs() <= STD_EPS, 0.0, step_adv)
+        if cfg.std_normalize:
+            step_adv = step_adv / (r.std(correction=0) + STD_EPS)
+        adv = torch.where(equal_reward_groups(r)[:, None], step_adv, adv)
     return adv  # [G, A]
 
 
+def equal_reward_groups(rewards: torch.Tensor, atol: float = 1e-6) -> torch.Tensor:
+    """rewards [G, A] -> bool [G]: groups whose episodes all got the same
+    reward (no signal against their own mean; counted as zero-signal)."""
+    return (rewards.max(dim=1).values - rewards.min(dim=1).values) <= atol
+
+
 def zero_signal_groups(adv: torch.Tensor, atol: float = 1e-6) -> torch.Tensor:
-    """adv [G, A] -> bool [G]: groups with no learning signal (every episode
-    got the same reward). The trainer skips and counts them."""
+    """adv [G, A] -> bool [G]: groups with no learning signal (every
+    advantage 0). The trainer skips them (their samples are not run)."""
     return (adv.abs() <= atol).all(dim=1)
 
 
