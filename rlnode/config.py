@@ -255,6 +255,16 @@ class LossConfig(_Section):
     entropy_coef_step: PositiveFloat = 0.001
     # The adaptive coefficient's ceiling, >= 0.
     entropy_coef_max: Annotated[float, Meta(ge=0)] = 0.1
+    # Adaptive control raises the coefficient only at a step where some
+    # group failed in every attempt (and entropy is below the target); at
+    # any other step it moves down. That is the trap the bonus is for: a
+    # policy deterministic where it loses has no gradient out. A policy
+    # that wins or splits its groups is converging, and is below the target
+    # too: there the coefficient would wind up until the bonus tipped the
+    # policy over (on the demo: 0.05-0.07 after 100 steps at 1.00, then
+    # entropy 0.1 -> 0.7-1.3 nats in 10-20 steps and held-out success 0.55
+    # and 0.78; README "The demo over seeds").
+    entropy_raise_on_failure: bool = False
     # "tokens": sum over every trained token / tokens in the step;
     # "sequences": per-sample token mean, then mean over samples.
     normalize: Literal["tokens", "sequences"] = "tokens"

@@ -111,6 +111,22 @@ def test_adaptive_entropy_coef_moves_towards_the_target_within_bounds():
     assert next_entropy_coef(0.01, None, cfg) == next_entropy_coef(0.01, float("nan"), cfg) == 0.01
 
 
+def test_adaptive_entropy_coef_raised_only_by_failing_steps_when_asked():
+    cfg = LossConfig(entropy_coef=0.002, entropy_target=0.3, entropy_coef_step=0.004, entropy_coef_max=0.02,
+                     entropy_raise_on_failure=True)
+    c, trace = 0.01, []
+    # (entropy, some group failed in every attempt)
+    for h, failing in ((0.1, True), (0.1, True), (0.1, False), (0.1, False), (2.0, True), (0.1, True)):
+        c = next_entropy_coef(c, h, cfg, failing)
+        trace.append(round(c, 6))
+    # Below the target: up only with a failing group, else down (no wind-up
+    # on a converged policy); above the target: down whatever failed.
+    assert trace == [0.014, 0.018, 0.014, 0.01, 0.006, 0.01]
+    # Without the option a step's failures do not matter.
+    plain = LossConfig(entropy_coef=0.002, entropy_target=0.3, entropy_coef_step=0.004, entropy_coef_max=0.02)
+    assert next_entropy_coef(0.01, 0.1, plain, failing=False) == pytest.approx(0.014)
+
+
 # --------------------------------------------------------------------- loss
 def example(ref_d=None) -> LossInputs:
     logpi = torch.tensor([[-1.0, -2.0, -0.5], [-1.0, -3.0, 7.0]], requires_grad=True)

@@ -269,7 +269,8 @@ class TrainerDaemon:
         self.version += 1
         self.pending_commit += batch.group_ids
         set_version(self.version)
-        self.entropy_coef = next_entropy_coef(self.entropy_coef, m.extra.get("entropy"), self.cfg.trainer.loss)
+        self.entropy_coef = next_entropy_coef(self.entropy_coef, m.extra.get("entropy"), self.cfg.trainer.loss,
+                                              failing=batch.groups_all_failed > 0)
 
     def _write_step_metrics(self, batch, m, push_s: float, pushed: bool, step_s: float) -> None:
         rewards = batch.rewards

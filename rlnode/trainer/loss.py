@@ -126,6 +126,9 @@ class LossOutput:
 #   Adaptive (entropy_target = H* > 0), once per optimizer step k, with the
 #   step's mean entropy over its trained tokens H_k (next_entropy_coef):
 #       c_{k+1} = clip(c_k + step * sign(H* - H_k), entropy_coef, entropy_coef_max)
+#   With entropy_raise_on_failure, "up" also needs F_k: some group of step k
+#   failed in every attempt (else the coefficient goes down):
+#       c_{k+1} = clip(c_k + step * (+1 if H_k < H* and F_k else -1), ...)
 #   The configured bonus while the policy is above H* (a fresh one is far
 #   above it); a growing one once it has fallen below, until it is back.
 # Lag mask (max_token_lag = L >= 0): l_t *= 1[lag_t <= L], lag_t = trainer
@@ -220,13 +223,15 @@ def policy_loss(inp: LossInputs, cfg: LossConfig, normalizer: float) -> LossOutp
     return LossOutput(loss=loss, metrics=dict(zip(stats, values)))
 
 
-def next_entropy_coef(coef: float, entropy: float | None, cfg: LossConfig) -> float:
+def next_entropy_coef(coef: float, entropy: float | None, cfg: LossConfig, failing: bool = True) -> float:
     """The entropy coefficient for the next step (the adaptive control in
     the comment above policy_loss); ``coef`` unchanged when it is off or
-    the step measured no entropy."""
+    the step measured no entropy. ``failing``: some group of the step
+    failed in every attempt (read under entropy_raise_on_failure)."""
     if cfg.entropy_target <= 0 or entropy is None or not math.isfinite(entropy):
         return coef
-    step = cfg.entropy_coef_step if entropy < cfg.entropy_target else -cfg.entropy_coef_step
+    up = entropy < cfg.entropy_target and (failing or not cfg.entropy_raise_on_failure)
+    step = cfg.entropy_coef_step if up else -cfg.entropy_coef_step
     return min(max(cfg.entropy_coef_max, cfg.entropy_coef), max(cfg.entropy_coef, coef + step))
 
 
