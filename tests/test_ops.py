@@ -162,6 +162,8 @@ def test_metrics_parse_and_move(running_job):
     # The policy's entropy and the bonus coefficient it trained with.
     assert second[("rlnode_trainer_entropy", ())] > 0
     assert second[("rlnode_trainer_entropy_coef", ())] >= 0
+    # Groups that failed in every attempt, out of the step's groups.
+    assert 0 <= second[("rlnode_trainer_groups_all_failed", ())] <= 2  # groups_per_step = 2
     by_lag = {dict(lab)["lag"]: v for (n, lab), v in second.items() if n == "rlnode_trainer_tokens_by_lag"}
     assert by_lag and all(v > 0 for v in by_lag.values()), by_lag
     assert {dict(lab)["lag"] for (n, lab), _ in second.items() if n == "rlnode_trainer_mismatch_kl_by_lag"} == set(by_lag)
