@@ -101,14 +101,14 @@ def test_adaptive_entropy_coef_moves_towards_the_target_within_bounds():
     c = 0.01  # e.g. where a checkpoint left it
     trace = []
     for h in (2.0, 2.0, 2.0, 0.1, 0.1, 0.1, 0.1, 0.1, 0.5, 0.5):
-        c = next_entropy_coef(c, h, cfg)
+        c = next_entropy_coef(c, h, cfg, failing=True)
         trace.append(round(c, 6))
     # Above the target: down to entropy_coef and no lower; below: up to the
     # ceiling; above again: down.
     assert trace == [0.006, 0.002, 0.002, 0.006, 0.01, 0.014, 0.018, 0.02, 0.016, 0.012]
     # Off (no target), or a step without an entropy figure: unchanged.
-    assert next_entropy_coef(0.01, 0.0, LossConfig(entropy_coef=0.01)) == 0.01
-    assert next_entropy_coef(0.01, None, cfg) == next_entropy_coef(0.01, float("nan"), cfg) == 0.01
+    assert next_entropy_coef(0.01, 0.0, LossConfig(entropy_coef=0.01), failing=True) == 0.01
+    assert next_entropy_coef(0.01, None, cfg, failing=True) == next_entropy_coef(0.01, float("nan"), cfg, failing=True) == 0.01
 
 
 def test_adaptive_entropy_coef_raised_only_by_failing_steps_when_asked():
@@ -117,7 +117,7 @@ def test_adaptive_entropy_coef_raised_only_by_failing_steps_when_asked():
     c, trace = 0.01, []
     # (entropy, some group failed in every attempt)
     for h, failing in ((0.1, True), (0.1, True), (0.1, False), (0.1, False), (2.0, True), (0.1, True)):
-        c = next_entropy_coef(c, h, cfg, failing)
+        c = next_entropy_coef(c, h, cfg, failing=failing)
         trace.append(round(c, 6))
     # Below the target: up only with a failing group, else down (no wind-up
     # on a converged policy); above the target: down whatever failed.

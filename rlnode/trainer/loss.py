@@ -223,7 +223,7 @@ def policy_loss(inp: LossInputs, cfg: LossConfig, normalizer: float) -> LossOutp
     return LossOutput(loss=loss, metrics=dict(zip(stats, values)))
 
 
-def next_entropy_coef(coef: float, entropy: float | None, cfg: LossConfig, failing: bool = True) -> float:
+def next_entropy_coef(coef: float, entropy: float | None, cfg: LossConfig, *, failing: bool) -> float:
     """The entropy coefficient for the next step (the adaptive control in
     the comment above policy_loss); ``coef`` unchanged when it is off or
     the step measured no entropy. ``failing``: some group of the step
