@@ -265,6 +265,23 @@ class LossConfig(_Section):
     # entropy 0.1 -> 0.7-1.3 nats in 10-20 steps and held-out success 0.55
     # and 0.78; README "The demo over seeds").
     entropy_raise_on_failure: bool = False
+    # Per-token entropy floor (nats), 0 = off. Every trained token whose
+    # entropy is below it gets a bonus of entropy_floor_coef * H_t, tokens at
+    # or above it none (loss.policy_loss: - coef * min(H_t, floor)). Why: a
+    # choice that every attempt of a group makes alike carries no policy
+    # gradient (the group's advantages sum to 0 over a token they all
+    # share), and once deterministic no later reward can re-open it. The
+    # mean-entropy bonus above cannot see one collapsed state among many
+    # open ones: on the demo a run stalled at 0.55-0.66 for 500 steps with
+    # its FIRST guess deterministic ("5" in 32 of 32 attempts, capping
+    # success at 0.8) while the step's mean entropy stayed above 0.2, and
+    # runs that had reached 1.0 fell when one later state went
+    # deterministic on a losing guess. The floor holds each state open
+    # without pushing the states above it towards uniform, which is what a
+    # large constant bonus does to a fresh policy.
+    entropy_floor: Annotated[float, Meta(ge=0)] = 0.0
+    # Weight of the floor's bonus, >= 0 (used when entropy_floor > 0).
+    entropy_floor_coef: Annotated[float, Meta(ge=0)] = 0.1
     # "tokens": sum over every trained token / tokens in the step;
     # "sequences": per-sample token mean, then mean over samples.
     normalize: Literal["tokens", "sequences"] = "tokens"

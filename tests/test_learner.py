@@ -213,6 +213,46 @@ def test_entropy_bonus_trains_on_zero_signal_groups(tiny_model_dir, hf_model):
     assert abs(m.extra["entropy"] - before) < 1e-4
 
 
+def test_entropy_floor_trains_only_states_below_it(tiny_model_dir, hf_model):
+    # A zero-signal group (advantage 0) with no mean bonus (entropy_coef 0):
+    # only the floor can act. The random model's entropy is ~ln 264 = 5.6
+    # nats: a floor under it leaves the step without any gradient, a floor
+    # over it raises the entropy there (the learner must compute entropy
+    # with its gradient for the floor alone).
+    def silent():
+        return group("s", [1.0, 1.0], [make_sample(hf_model, [5, 6], [40], "s/e0", 0),
+                                        make_sample(hf_model, [5, 6], [40], "s/e1", 0)])
+
+    kept = build_batch([silent()], 0, 1, AdvantageConfig(), BufferCounters(), keep_zero_signal=True)
+    for floor, raised in ((1.0, False), (10.0, True)):
+        cfg = load_config(None, [f"model.path={tiny_model_dir}", "trainer.device=\"cpu\"", "trainer.optim.lr=1e-4",
+                                 f"trainer.loss.entropy_floor={floor}", "trainer.loss.entropy_floor_coef=1.0"])
+        learner = Learner(cfg)
+        with torch.no_grad():
+            before = learner.token_logprobs(learner.model, kept.samples).entropy[0, 0].item()
+        m = learner.train_step(kept)
+        with torch.no_grad():
+            after = learner.token_logprobs(learner.model, kept.samples).entropy[0, 0].item()
+        assert m.extra["entropy_below_floor"] == float(raised)
+        if raised:
+            assert m.grad_norm > 0 and after > before, (before, after)
+        else:
+            assert m.grad_norm == 0 and after == before, (m.grad_norm, before, after)
+
+
+@pytest.mark.parametrize("setting, kept", [(None, False), ("trainer.loss.entropy_coef=0.01", True),
+                                            ("trainer.loss.entropy_floor=0.3", True),
+                                            ("trainer.loss.kl_coef=0.01", True)])
+def test_the_trainer_keeps_zero_signal_groups_for_any_regulariser(tiny_model_dir, tmp_path, setting, kept):
+    # A zero-signal group reaches the loss only when a term acts on it;
+    # without one it is counted and skipped (build_batch above).
+    from rlnode.trainer.daemon import TrainerDaemon
+
+    cfg = load_config(None, [f"model.path={tiny_model_dir}", f"run.run_dir={tmp_path}", "trainer.device=\"cpu\""]
+                      + ([setting] if setting else []))
+    assert TrainerDaemon(cfg).buffer.keep_zero_signal is kept
+
+
 def test_lr_schedule():
     assert lr_factor(0, 4, 100, "cosine", 0.1) == 0.25
     assert lr_factor(3, 4, 100, "cosine", 0.1) == 1.0

@@ -256,6 +256,36 @@ def test_entropy_term():
         policy_loss(example(), LossConfig(entropy_coef=0.1), 5)
 
 
+def test_entropy_floor_term_acts_only_below_the_floor():
+    # H = [[1.0, 2.0, 0.5], [1.5, 0.25, pad 99]], floor 0.6, coef 0.5, N = 5:
+    # l_t -= 0.5 * min(H_t, 0.6):
+    # loss = tis 1.4 - 0.5 * (0.6 + 0.6 + 0.5 + 0.6 + 0.25) / 5 = 1.4 - 0.255 = 1.145
+    # dloss/dH = -0.5 / 5 = -0.1 on the two tokens below the floor (0.5, 0.25),
+    # 0 on those above it and on padding; 2 of 5 real tokens are below.
+    inp = example()
+    inp.entropy = torch.tensor([[1.0, 2.0, 0.5], [1.5, 0.25, 99.0]], requires_grad=True)
+    out = policy_loss(inp, LossConfig(kind="tis_reinforce", entropy_floor=0.6, entropy_floor_coef=0.5), 5)
+    out.loss.backward()
+    close(out.loss, 1.145)
+    close(inp.entropy.grad, [[0.0, 0.0, -0.1], [0.0, -0.1, 0.0]])
+    close(inp.logprobs.grad, [[-0.4, -0.8, -0.2], [0.4, 0.1, 0.0]])  # the tis part, unchanged
+    close(out.metrics["entropy_below_floor"], 0.4)
+    # With the mean bonus too, the two add up on the tokens below the floor.
+    inp = example()
+    inp.entropy = torch.tensor([[1.0, 2.0, 0.5], [1.5, 0.25, 99.0]], requires_grad=True)
+    policy_loss(inp, LossConfig(kind="tis_reinforce", entropy_coef=0.1, entropy_floor=0.6,
+                                entropy_floor_coef=0.5), 5).loss.backward()
+    close(inp.entropy.grad, [[-0.02, -0.02, -0.12], [-0.02, -0.12, 0.0]])
+    with pytest.raises(ValueError, match="needs entropy"):
+        policy_loss(example(), LossConfig(entropy_floor=0.2), 5)
+    # Off (the default): no floor figure, no term.
+    inp = example()
+    inp.entropy = torch.tensor([[1.0, 2.0, 0.5], [1.5, 0.25, 99.0]])
+    out = policy_loss(inp, LossConfig(kind="tis_reinforce"), 5)
+    close(out.loss, 1.4)
+    assert "entropy_below_floor" not in out.metrics
+
+
 def test_kl_needs_reference():
     with pytest.raises(ValueError, match="ref_logprobs"):
         policy_loss(example(), LossConfig(kl_coef=0.1), 5)

@@ -109,7 +109,8 @@ def running_job(tiny_model_dir, tmp_path_factory):
             "--set", "actor.scheduler.groups_per_step=2", "--set", "actor.scheduler.attempts=4",
             "--set", "actor.scheduler.eval_every=2", "--set", "actor.scheduler.eval_episodes=8",
             "--set", "trainer.checkpoint_every=0", "--set", "actor.router.llm_max_rollouts=8",
-            "--set", "trainer.trackers.tensorboard=true", "--set", "trainer.trackers.wandb=true"]), tmp, http)
+            "--set", "trainer.trackers.tensorboard=true", "--set", "trainer.trackers.wandb=true",
+            "--set", "trainer.loss.entropy_floor=0.3"]), tmp, http)
     finally:
         del os.environ["NOTIFY_SOCKET"], os.environ["WATCHDOG_USEC"]
     d.run_dir, d.notify = tmp / "run", _Collector(sock)
@@ -162,6 +163,9 @@ def test_metrics_parse_and_move(running_job):
     # The policy's entropy and the bonus coefficient it trained with.
     assert second[("rlnode_trainer_entropy", ())] > 0
     assert second[("rlnode_trainer_entropy_coef", ())] >= 0
+    # The share of tokens under the per-token floor (a fresh model is near
+    # ln 264 = 5.6 nats everywhere: none).
+    assert second[("rlnode_trainer_entropy_below_floor", ())] == 0
     # Groups that failed in every attempt, out of the step's groups.
     assert 0 <= second[("rlnode_trainer_groups_all_failed", ())] <= 2  # groups_per_step = 2
     by_lag = {dict(lab)["lag"]: v for (n, lab), v in second.items() if n == "rlnode_trainer_tokens_by_lag"}

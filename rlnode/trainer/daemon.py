@@ -56,6 +56,7 @@ class TrainerDaemon:
         loss = cfg.trainer.loss
         self.buffer = GroupBuffer(cfg.actor.scheduler.groups_per_step, effective_max_lag(cfg), cfg.trainer.advantage,
                                   keep_zero_signal=loss.entropy_coef > 0 or loss.entropy_target > 0
+                                  or loss.entropy_floor > 0
                                   or loss.kl_coef > 0)
         # The entropy bonus's coefficient, moved after each step when
         # trainer.loss.entropy_target is set (loss.next_entropy_coef).
@@ -450,7 +451,9 @@ class TrainerDaemon:
                            ("groups_all_failed", "last step groups in which every episode failed"),
                            ("loss/entropy", "last step mean policy entropy per trained token (nats)"),
                            ("loss/entropy_coef",
-                            "last step entropy bonus coefficient (trainer.loss.entropy_target moves it)")):
+                            "last step entropy bonus coefficient (trainer.loss.entropy_target moves it)"),
+                           ("loss/entropy_below_floor",
+                            "last step share of trained tokens below trainer.loss.entropy_floor")):
             if key in m:
                 out.append((f"rlnode_trainer_{key.removeprefix('loss/')}", "gauge", help_, {}, float(m[key])))
         for key, help_ in OFFPOLICY_GAUGES:

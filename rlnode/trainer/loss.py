@@ -131,6 +131,12 @@ class LossOutput:
 #       c_{k+1} = clip(c_k + step * (+1 if H_k < H* and F_k else -1), ...)
 #   The configured bonus while the policy is above H* (a fresh one is far
 #   above it); a growing one once it has fallen below, until it is back.
+#   Floor (entropy_floor = f > 0, per token, c_f = entropy_floor_coef):
+#       l_t -= c_f * min(H_t, f)      (gradient c_f * dH_t only where H_t < f)
+#   The mean H_k above is dominated by the open states; one state that every
+#   attempt decides alike (a shared first guess, a losing line) can be
+#   deterministic under it and has no policy gradient out. The floor holds
+#   each token's state at >= ~f nats and leaves the others alone.
 # Lag mask (max_token_lag = L >= 0): l_t *= 1[lag_t <= L], lag_t = trainer
 #   version - version of the weights that produced token t. Per-token IS
 #   masking by version lag: the further behind mu is, the less a (truncated)
@@ -154,8 +160,8 @@ def policy_loss(inp: LossInputs, cfg: LossConfig, normalizer: float) -> LossOutp
         raise ValueError(f"normalizer must be > 0, got {normalizer}")
     if cfg.kl_coef > 0 and inp.ref_logprobs is None:
         raise ValueError("loss.kl_coef > 0 needs ref_logprobs")
-    if cfg.entropy_coef > 0 and inp.entropy is None:
-        raise ValueError("loss.entropy_coef > 0 needs entropy")
+    if (cfg.entropy_coef > 0 or cfg.entropy_floor > 0) and inp.entropy is None:
+        raise ValueError("loss.entropy_coef > 0 or loss.entropy_floor > 0 needs entropy")
     if cfg.max_token_lag >= 0 and inp.token_lag is None:
         raise ValueError("loss.max_token_lag >= 0 needs token_lag")
     m = inp.mask.bool()  # [B, T]
@@ -193,6 +199,8 @@ def policy_loss(inp: LossInputs, cfg: LossConfig, normalizer: float) -> LossOutp
     ent = None if inp.entropy is None else torch.where(m, inp.entropy.float(), 0.0)  # [B, T]
     if cfg.entropy_coef > 0:
         per_tok = per_tok - cfg.entropy_coef * ent
+    if cfg.entropy_floor > 0:  # gradient only where H_t < floor
+        per_tok = per_tok - cfg.entropy_floor_coef * ent.clamp(max=cfg.entropy_floor)
 
     per_tok = torch.where(m, per_tok, 0.0)  # [B, T]
     lag_masked = None
@@ -217,6 +225,8 @@ def policy_loss(inp: LossInputs, cfg: LossConfig, normalizer: float) -> LossOutp
         stats["kl"] = k3.detach().sum() / den
     if ent is not None:
         stats["entropy"] = ent.detach().sum() / den
+        if cfg.entropy_floor > 0:
+            stats["entropy_below_floor"] = ((ent.detach() < cfg.entropy_floor) & m).sum() / den
     if lag_masked is not None:
         stats["lag_masked_fraction"] = lag_masked.sum() / den
     values = torch.stack(list(stats.values())).tolist()  # one device sync
