@@ -186,29 +186,36 @@ def test_each_token_gets_the_lag_of_the_weights_that_produced_it(tiny_model_dir,
                        BufferCounters()).token_lags[0].tolist() == [1, 1, 1]
 
 
+def silent_group(hf_model):
+    """Two attempts that agree token for token and in reward: no policy gradient."""
+    return group("s", [1.0, 1.0], [make_sample(hf_model, [5, 6], [40], "s/e0", 0),
+                                    make_sample(hf_model, [5, 6], [40], "s/e1", 0)])
+
+
+def step_entropy(learner: Learner, batch) -> tuple:
+    """(entropy at the batch's first token before, the step's metrics, after)."""
+    with torch.no_grad():
+        before = learner.token_logprobs(learner.model, batch.samples).entropy[0, 0].item()
+    m = learner.train_step(batch)
+    with torch.no_grad():
+        after = learner.token_logprobs(learner.model, batch.samples).entropy[0, 0].item()
+    return before, m, after
+
+
 def test_entropy_bonus_trains_on_zero_signal_groups(tiny_model_dir, hf_model):
     # All attempts agree: no policy gradient. Without a regulariser the group
     # is skipped; with entropy_coef it is trained with advantage 0 and the
     # step raises the entropy there.
-    def silent():
-        return group("s", [1.0, 1.0], [make_sample(hf_model, [5, 6], [40], "s/e0", 0),
-                                        make_sample(hf_model, [5, 6], [40], "s/e1", 0)])
-
-    skipped = build_batch([silent()], 0, 1, AdvantageConfig(), BufferCounters())
+    skipped = build_batch([silent_group(hf_model)], 0, 1, AdvantageConfig(), BufferCounters())
     assert skipped.samples == [] and skipped.zero_signal_groups == 1
     counters = BufferCounters()
-    kept = build_batch([silent()], 0, 1, AdvantageConfig(), counters, keep_zero_signal=True)
+    kept = build_batch([silent_group(hf_model)], 0, 1, AdvantageConfig(), counters, keep_zero_signal=True)
     assert len(kept.samples) == 2 and kept.advantages == [0.0, 0.0]
     assert kept.zero_signal_groups == 1 and counters.groups_zero_signal == 1
     # (A small step: the random model is already near the maximum, ln 264.)
     cfg = load_config(None, [f"model.path={tiny_model_dir}", "trainer.device=\"cpu\"", "trainer.optim.lr=1e-4",
                              "trainer.loss.entropy_coef=0.1"])
-    learner = Learner(cfg)
-    with torch.no_grad():
-        before = learner.token_logprobs(learner.model, kept.samples).entropy[0, 0].item()
-    m = learner.train_step(kept)
-    with torch.no_grad():
-        after = learner.token_logprobs(learner.model, kept.samples).entropy[0, 0].item()
+    before, m, after = step_entropy(Learner(cfg), kept)
     assert m.grad_norm > 0 and after > before, (before, after)
     assert abs(m.extra["entropy"] - before) < 1e-4
 
@@ -219,20 +226,11 @@ def test_entropy_floor_trains_only_states_below_it(tiny_model_dir, hf_model):
     # nats: a floor under it leaves the step without any gradient, a floor
     # over it raises the entropy there (the learner must compute entropy
     # with its gradient for the floor alone).
-    def silent():
-        return group("s", [1.0, 1.0], [make_sample(hf_model, [5, 6], [40], "s/e0", 0),
-                                        make_sample(hf_model, [5, 6], [40], "s/e1", 0)])
-
-    kept = build_batch([silent()], 0, 1, AdvantageConfig(), BufferCounters(), keep_zero_signal=True)
+    kept = build_batch([silent_group(hf_model)], 0, 1, AdvantageConfig(), BufferCounters(), keep_zero_signal=True)
     for floor, raised in ((1.0, False), (10.0, True)):
         cfg = load_config(None, [f"model.path={tiny_model_dir}", "trainer.device=\"cpu\"", "trainer.optim.lr=1e-4",
                                  f"trainer.loss.entropy_floor={floor}", "trainer.loss.entropy_floor_coef=1.0"])
-        learner = Learner(cfg)
-        with torch.no_grad():
-            before = learner.token_logprobs(learner.model, kept.samples).entropy[0, 0].item()
-        m = learner.train_step(kept)
-        with torch.no_grad():
-            after = learner.token_logprobs(learner.model, kept.samples).entropy[0, 0].item()
+        before, m, after = step_entropy(Learner(cfg), kept)
         assert m.extra["entropy_below_floor"] == float(raised)
         if raised:
             assert m.grad_norm > 0 and after > before, (before, after)
