@@ -282,6 +282,12 @@ class LossConfig(_Section):
     entropy_floor: Annotated[float, Meta(ge=0)] = 0.0
     # Weight of the floor's bonus, >= 0 (used when entropy_floor > 0).
     entropy_floor_coef: Annotated[float, Meta(ge=0)] = 0.1
+
+    @property
+    def entropy_term(self) -> bool:
+        """The loss has an entropy term (bonus or floor): entropy must be
+        computed with its gradient, and the term acts on zero-signal groups."""
+        return self.entropy_coef > 0 or self.entropy_floor > 0
     # "tokens": sum over every trained token / tokens in the step;
     # "sequences": per-sample token mean, then mean over samples.
     normalize: Literal["tokens", "sequences"] = "tokens"

@@ -55,9 +55,7 @@ class TrainerDaemon:
         self.pusher = None
         loss = cfg.trainer.loss
         self.buffer = GroupBuffer(cfg.actor.scheduler.groups_per_step, effective_max_lag(cfg), cfg.trainer.advantage,
-                                  keep_zero_signal=loss.entropy_coef > 0 or loss.entropy_target > 0
-                                  or loss.entropy_floor > 0
-                                  or loss.kl_coef > 0)
+                                  keep_zero_signal=loss.entropy_term or loss.entropy_target > 0 or loss.kl_coef > 0)
         # The entropy bonus's coefficient, moved after each step when
         # trainer.loss.entropy_target is set (loss.next_entropy_coef).
         self.entropy_coef = loss.entropy_coef

@@ -318,7 +318,7 @@ class Learner:
         mbs = self.micro_batches(samples)
         for mb in mbs:
             part = [samples[i] for i in mb.samples]
-            logp, mask, entropy = self.token_logprobs(self.model, part, entropy_grad=loss_cfg.entropy_coef > 0 or loss_cfg.entropy_floor > 0,
+            logp, mask, entropy = self.token_logprobs(self.model, part, entropy_grad=loss_cfg.entropy_term,
                                                       rows=mb.rows)
             mu = torch.zeros_like(logp)
             lag = torch.zeros(logp.shape, dtype=torch.long)

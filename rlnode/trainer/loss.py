@@ -160,7 +160,7 @@ def policy_loss(inp: LossInputs, cfg: LossConfig, normalizer: float) -> LossOutp
         raise ValueError(f"normalizer must be > 0, got {normalizer}")
     if cfg.kl_coef > 0 and inp.ref_logprobs is None:
         raise ValueError("loss.kl_coef > 0 needs ref_logprobs")
-    if (cfg.entropy_coef > 0 or cfg.entropy_floor > 0) and inp.entropy is None:
+    if cfg.entropy_term and inp.entropy is None:
         raise ValueError("loss.entropy_coef > 0 or loss.entropy_floor > 0 needs entropy")
     if cfg.max_token_lag >= 0 and inp.token_lag is None:
         raise ValueError("loss.max_token_lag >= 0 needs token_lag")
