@@ -70,6 +70,10 @@ def test_cross_field_rules():
         load_config(None, ["model.max_model_len=64", "actor.sampling.max_tokens=64"])
     with pytest.raises(ConfigError, match=r"tensor_parallel_size: must be 1"):
         load_config(None, ["actor.engine.device=\"cpu\"", "actor.engine.tensor_parallel_size=2"])
+    # A dual clip at or under 1 would cut the on-policy gradient itself.
+    with pytest.raises(ConfigError, match=r"^trainer\.loss\.dual_clip: must be 0 \(off\) or > 1 \(got 1\.0\)"):
+        load_config(None, ["trainer.loss.dual_clip=1.0"])
+    assert load_config(None, ["trainer.loss.dual_clip=0"]).trainer.loss.dual_clip == 0
 
 
 def test_truncated_sampling_is_refused():

@@ -188,6 +188,40 @@ def test_ppo_clip():
     close(out.metrics["ratio_max"], 4.0)
 
 
+def test_ppo_dual_clip_bounds_only_negative_advantages_above_c():
+    # test_ppo_clip's example with c = 1.5: only row 1's r=2 (A=-1, above c)
+    # is bound: l = -max(min(-2, -1.28), 1.5 * -1) = 1.5, grad 0 (was 2).
+    # Row 0's r=4 has A > 0: PPO's own clip, the dual clip leaves it.
+    # loss = (-2 - 2.56 - 1 + 1.5 + 0.8) / 5 = -0.652; dual_clip_fraction 1/5
+    out, grad = run(LossConfig(kind="ppo_clip", eps_low=0.2, eps_high=0.28, dual_clip=1.5), normalizer=5)
+    close(out.loss, -0.652)
+    close(grad, [[-0.4, 0.0, -0.2], [0.0, 0.0, 0.0]])
+    close(out.metrics["clip_fraction"], 0.4)
+    close(out.metrics["dual_clip_fraction"], 0.2)
+    # The default c = 3 is above every ratio with A < 0 here: PPO's gradient.
+    out, grad = run(LossConfig(kind="ppo_clip", eps_low=0.2, eps_high=0.28), normalizer=5)
+    close(grad, [[-0.4, 0.0, -0.2], [0.4, 0.0, 0.0]])
+    assert out.metrics["dual_clip_fraction"] == 0.0
+    # Off: no bound, no metric.
+    out, grad = run(LossConfig(kind="ppo_clip", eps_low=0.2, eps_high=0.28, dual_clip=0), normalizer=5)
+    close(grad, [[-0.4, 0.0, -0.2], [0.4, 0.0, 0.0]])
+    assert "dual_clip_fraction" not in out.metrics
+
+
+def test_gspo_dual_clip_bounds_the_sequence_ratio():
+    # Both advantages negative, A = [-2, -1]; s_0 = 2^(1/3) = 1.2599210 > c = 1.1
+    # (inside the clip range [0.8, 1.3]): l = -max(-2.5198421, 1.1 * -2) = 2.2 on
+    # each of row 0's tokens, grad 0. Row 1: s_1 = 1 < c: l = 1, grad -A s / 5 = 0.2.
+    # loss = (3 * 2.2 + 2 * 1) / 5 = 1.72; dual_clip_fraction 3/5
+    inp = example()
+    inp.advantages = torch.tensor([-2.0, -1.0])
+    out = policy_loss(inp, LossConfig(kind="gspo", gspo_eps_low=0.2, gspo_eps_high=0.3, dual_clip=1.1), 5)
+    out.loss.backward()
+    close(out.loss, 1.72)
+    close(inp.logprobs.grad, [[0.0, 0.0, 0.0], [0.2, 0.2, 0.0]])
+    close(out.metrics["dual_clip_fraction"], 0.6)
+
+
 def test_gspo_unclipped():
     # s_0 = exp((0 + ln4 - ln2)/3) = 2^(1/3) = 1.2599210 (inside [0.8, 1.3])
     # s_1 = exp((ln2 - ln2)/2) = 1
@@ -339,8 +373,9 @@ def test_all_padding_batch_is_zero_not_nan(kind):
     out.loss.backward()
     assert out.loss.item() == 0.0
     assert (inp.logprobs.grad == 0).all()
+    dual = {} if kind == "tis_reinforce" else {"dual_clip_fraction": 0.0}
     assert out.metrics == {"tokens": 0.0, "ratio_mean": 0.0, "ratio_max": 0.0, "clip_fraction": 0.0,
-                           "logprob_diff_mean": 0.0, "kl": 0.0}
+                           "logprob_diff_mean": 0.0, "kl": 0.0, **dual}
 
 
 # ------------------------------------------------ per-token version lag mask

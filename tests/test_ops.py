@@ -166,6 +166,8 @@ def test_metrics_parse_and_move(running_job):
     # The share of tokens under the per-token floor (a fresh model is near
     # ln 264 = 5.6 nats everywhere: none).
     assert second[("rlnode_trainer_entropy_below_floor", ())] == 0
+    # The dual clip's share (ppo_clip, dual_clip 3): a share, exported.
+    assert 0 <= second[("rlnode_trainer_dual_clip_fraction", ())] <= 1
     # Groups that failed in every attempt, out of the step's groups.
     assert 0 <= second[("rlnode_trainer_groups_all_failed", ())] <= 2  # groups_per_step = 2
     by_lag = {dict(lab)["lag"]: v for (n, lab), v in second.items() if n == "rlnode_trainer_tokens_by_lag"}

@@ -451,7 +451,9 @@ class TrainerDaemon:
                            ("loss/entropy_coef",
                             "last step entropy bonus coefficient (trainer.loss.entropy_target moves it)"),
                            ("loss/entropy_below_floor",
-                            "last step share of trained tokens below trainer.loss.entropy_floor")):
+                            "last step share of trained tokens below trainer.loss.entropy_floor"),
+                           ("loss/dual_clip_fraction",
+                            "last step share of trained tokens cut by trainer.loss.dual_clip")):
             if key in m:
                 out.append((f"rlnode_trainer_{key.removeprefix('loss/')}", "gauge", help_, {}, float(m[key])))
         for key, help_ in OFFPOLICY_GAUGES:

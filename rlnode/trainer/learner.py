@@ -366,7 +366,9 @@ class Learner:
         if log_ratios:
             lags = torch.cat(token_lags)
             mismatch = mismatch_figures(torch.cat(log_ratios), lags, cfg.loss)
-            mismatch["truncated_fraction"] = extra.get("clip_fraction", 0.0)
+            # The min's clip (r < 1 - eps_low where A < 0) and the dual clip
+            # (r > c > 1 where A < 0) never cut the same token: they add.
+            mismatch["truncated_fraction"] = extra.get("clip_fraction", 0.0) + extra.get("dual_clip_fraction", 0.0)
             # Completion tokens the loss never saw (loss mask 0: e.g. an
             # agent's own tool-call syntax), plus those the lag mask cut.
             masked = completion_tokens - tokens + extra.get("lag_masked_fraction", 0.0) * tokens

@@ -146,8 +146,18 @@ class LossOutput:
 #   (Chosen over AReaL's decoupled PPO: with one optimizer step per batch
 #   its proximal policy is pi_theta itself, and the objective reduces to
 #   "tis_reinforce".)
+# Dual clip (dual_clip = c > 1, "ppo_clip" and "gspo"; Ye et al. 2020,
+#   verl's clip_ratio_c): where A < 0 the min above is r_t A, unbounded as
+#   r_t grows: a stale token the policy has since made far more likely than
+#   mu did (r_t = 88 and 282 measured on the demo, pipelined) pushes down
+#   with weight r_t, one token takes the whole clipped step, and a converged
+#   policy is knocked over. Bound it:
+#       l_t = -max(min(r_t A, clip(r_t) A), c A)   where A < 0
+#   grad_logpi = 0 where r_t > c and A < 0 (the token keeps l_t = -c A).
+#   On-policy r_t = 1 < c: no effect.
 # clip_fraction = share of tokens whose ratio was cut: r_t > c (tis), the
 # min picked the clipped term (ppo_clip; per sequence, counted per token, gspo).
+# dual_clip_fraction = share of tokens the dual clip cut (set when it is on).
 #
 # Normalisation (N = `normalizer`, given by the caller for the WHOLE optimizer
 # step, so summing micro-batch losses equals the loss of one big batch):
@@ -173,20 +183,18 @@ def policy_loss(inp: LossInputs, cfg: LossConfig, normalizer: float) -> LossOutp
     log_ratio = logpi - logmu  # [B, T], 0 on padding
     ratio = log_ratio.detach().exp()  # [B, T], 1 on padding
 
+    dual_clipped = None
     if cfg.kind == "tis_reinforce":
         per_tok = -adv * logpi * ratio.clamp(max=cfg.is_cap)
         clipped = ratio > cfg.is_cap
     elif cfg.kind == "ppo_clip":
         r = log_ratio.exp()  # [B, T], with grad
-        surr, surr_clip = r * adv, r.clamp(1 - cfg.eps_low, 1 + cfg.eps_high) * adv
-        per_tok = -torch.minimum(surr, surr_clip)
-        clipped = surr_clip < surr
+        per_tok, clipped, dual_clipped = _clipped_surrogate(r, adv, cfg.eps_low, cfg.eps_high, cfg.dual_clip)
     elif cfg.kind == "gspo":
         seq = (log_ratio.sum(dim=1) / n_tok).detach().exp()[:, None]  # [B, 1] s_i
         s = seq * (logpi - logpi.detach()).exp()  # [B, T], value s_i
-        surr, surr_clip = s * adv, s.clamp(1 - cfg.gspo_eps_low, 1 + cfg.gspo_eps_high) * adv
-        per_tok = -torch.minimum(surr, surr_clip)
-        clipped = surr_clip < surr
+        per_tok, clipped, dual_clipped = _clipped_surrogate(s, adv, cfg.gspo_eps_low, cfg.gspo_eps_high,
+                                                            cfg.dual_clip)
     else:
         raise ValueError(f"unknown loss.kind {cfg.kind!r}")
 
@@ -227,10 +235,28 @@ def policy_loss(inp: LossInputs, cfg: LossConfig, normalizer: float) -> LossOutp
         stats["entropy"] = ent.detach().sum() / den
         if cfg.entropy_floor > 0:
             stats["entropy_below_floor"] = ((ent.detach() < cfg.entropy_floor) & m).sum() / den
+    if dual_clipped is not None:
+        stats["dual_clip_fraction"] = (dual_clipped & m).sum() / den
     if lag_masked is not None:
         stats["lag_masked_fraction"] = lag_masked.sum() / den
     values = torch.stack(list(stats.values())).tolist()  # one device sync
     return LossOutput(loss=loss, metrics=dict(zip(stats, values)))
+
+
+def _clipped_surrogate(r: torch.Tensor, adv: torch.Tensor, eps_low: float, eps_high: float,
+                       dual_clip: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """PPO's per-token loss -min(r A, clip(r) A), with the dual clip's bound
+    -max(., c A) where A < 0 (formula above policy_loss). Returns the loss,
+    the tokens the min clipped, and the tokens the dual clip cut (None when
+    it is off)."""
+    surr, surr_clip = r * adv, r.clamp(1 - eps_low, 1 + eps_high) * adv
+    obj = torch.minimum(surr, surr_clip)
+    clipped = surr_clip < surr
+    if dual_clip <= 0:
+        return -obj, clipped, None
+    bound = dual_clip * adv  # [B, 1]; only binds where A < 0
+    dual_clipped = (adv < 0) & (obj < bound)
+    return -torch.where(dual_clipped, bound, obj), clipped, dual_clipped
 
 
 def next_entropy_coef(coef: float, entropy: float | None, cfg: LossConfig, *, failing: bool) -> float:
