@@ -233,6 +233,10 @@ def test_dashboard_renders_real_data(running_job, tmp_path):
     assert int(points["lag"]) >= 4 and int(points["router"]) >= 2, points
     # The off-policy figures: a point per step and series.
     assert int(points["mismatch"]) >= 6 and int(points["weights"]) >= 6 and int(points["taglag"]) >= 2, points
+    per_series = {k: [int(n) for n in v.split(",")]
+                  for k, v in re.findall(r'id="plot-(\w+)"[^>]*data-series="([\d,]+)"', dom)}
+    # ESS, truncated, masked, dual-clipped: every series has a point per step.
+    assert len(per_series["weights"]) == 4 and min(per_series["weights"]) >= 2, per_series
     assert int(points["entropy"]) >= 8, points  # entropy and its coefficient, a point per step each
     assert "healthy" in dom and "step " in dom
     shot = tmp_path / "dashboard.png"
