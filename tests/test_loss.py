@@ -208,6 +208,21 @@ def test_ppo_dual_clip_bounds_only_negative_advantages_above_c():
     assert "dual_clip_fraction" not in out.metrics
 
 
+def test_default_loss_bounds_stale_tokens_on_both_sides():
+    # The default (pipelined runs are the default) is ppo_clip with dual_clip
+    # 3: a token 4x likelier now than when it was sampled gets no gradient
+    # whatever its advantage's sign (A > 0: PPO's clip at 1.28; A < 0: the
+    # dual clip at 3). A fresh token (r = 1) gets -A / N. Truncated-IS
+    # REINFORCE would push both stale tokens with weight min(4, is_cap).
+    logpi = torch.tensor([[-1.0, -1.0], [-1.0, -1.0]], requires_grad=True)
+    r = torch.tensor([[4.0, 1.0], [4.0, 1.0]])
+    inp = LossInputs(logpi, logpi.detach() - r.log(), torch.tensor([1.0, -1.0]), torch.ones(2, 2))
+    out = policy_loss(inp, LossConfig(), normalizer=4)
+    out.loss.backward()
+    close(logpi.grad, [[0.0, -0.25], [0.0, 0.25]])
+    close([out.metrics["clip_fraction"], out.metrics["dual_clip_fraction"]], [0.25, 0.25])
+
+
 def test_gspo_dual_clip_bounds_the_sequence_ratio():
     # Both advantages negative, A = [-2, -1]; s_0 = 2^(1/3) = 1.2599210 > c = 1.1
     # (inside the clip range [0.8, 1.3]): l = -max(-2.5198421, 1.1 * -2) = 2.2 on
