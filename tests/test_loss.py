@@ -223,6 +223,28 @@ def test_default_loss_bounds_stale_tokens_on_both_sides():
     close([out.metrics["clip_fraction"], out.metrics["dual_clip_fraction"]], [0.25, 0.25])
 
 
+@pytest.mark.parametrize("kind", ["ppo_clip", "gspo"])
+@pytest.mark.parametrize("dual_clip", [3.0, 0.0])
+def test_a_token_sampled_far_below_the_trainer_gives_no_nan(kind, dual_clip):
+    # logmu = -100 against logpi = -1: r = e^99 overflows fp32 to inf. Before
+    # LOG_RATIO_MAX the discarded inf branch of torch.where made the whole
+    # gradient NaN (and the trainer skipped the step). Now that token gets
+    # no gradient (clipped, dual-clipped, or past the bound) and the fresh
+    # token beside it its usual -A / N.
+    for adv in (1.0, -1.0):
+        logpi = torch.tensor([[-1.0], [-1.0]], requires_grad=True)
+        logmu = torch.tensor([[-1.0], [-100.0]])
+        inp = LossInputs(logpi, logmu, torch.tensor([adv, adv]), torch.ones(2, 1))
+        out = policy_loss(inp, LossConfig(kind=kind, dual_clip=dual_clip), normalizer=2)
+        out.loss.backward()
+        assert torch.isfinite(out.loss) and torch.isfinite(logpi.grad).all()
+        # gspo's sequence ratio is a value (no gradient through it): with the
+        # dual clip off and A < 0 it pushes with the bound, e^20 (PPO's open
+        # side), finite.
+        stale = math.exp(20) / 2 if (kind, dual_clip, adv) == ("gspo", 0.0, -1.0) else 0.0
+        close(logpi.grad, [[-adv / 2], [stale]])
+
+
 def test_gspo_dual_clip_bounds_the_sequence_ratio():
     # Both advantages negative, A = [-2, -1]; s_0 = 2^(1/3) = 1.2599210 > c = 1.1
     # (inside the clip range [0.8, 1.3]): l = -max(-2.5198421, 1.1 * -2) = 2.2 on

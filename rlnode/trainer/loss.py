@@ -23,6 +23,14 @@ import torch
 from rlnode.config import AdvantageConfig, LossConfig
 
 STD_EPS = 1e-6  # added to the group std before dividing (all-equal groups -> 0)
+# Upper bound on log r inside the PPO surrogates (r <= e^20 ~ 4.9e8). A token
+# the engine sampled at a log-probability 89 below the trainer's overflows
+# exp() to inf in fp32, and torch.where's discarded inf branch turns the
+# token's gradient, and with it the whole step's, into NaN (the step is then
+# skipped as non-finite). Above the bound the clip (A > 0) or the dual clip
+# (A < 0) already gives the token no gradient; with the dual clip off the
+# bound stops it too (clamp passes no gradient), instead of a ~1e9 push.
+LOG_RATIO_MAX = 20.0
 
 
 # ---------------------------------------------------------------------------
@@ -188,10 +196,10 @@ def policy_loss(inp: LossInputs, cfg: LossConfig, normalizer: float) -> LossOutp
         per_tok = -adv * logpi * ratio.clamp(max=cfg.is_cap)
         clipped = ratio > cfg.is_cap
     elif cfg.kind == "ppo_clip":
-        r = log_ratio.exp()  # [B, T], with grad
+        r = log_ratio.clamp(max=LOG_RATIO_MAX).exp()  # [B, T], with grad
         per_tok, clipped, dual_clipped = _clipped_surrogate(r, adv, cfg.eps_low, cfg.eps_high, cfg.dual_clip)
     elif cfg.kind == "gspo":
-        seq = (log_ratio.sum(dim=1) / n_tok).detach().exp()[:, None]  # [B, 1] s_i
+        seq = (log_ratio.sum(dim=1) / n_tok).detach().clamp(max=LOG_RATIO_MAX).exp()[:, None]  # [B, 1] s_i
         s = seq * (logpi - logpi.detach()).exp()  # [B, T], value s_i
         per_tok, clipped, dual_clipped = _clipped_surrogate(s, adv, cfg.gspo_eps_low, cfg.gspo_eps_high,
                                                             cfg.dual_clip)
