@@ -27,9 +27,12 @@ STD_EPS = 1e-6  # added to the group std before dividing (all-equal groups -> 0)
 # the engine sampled at a log-probability 89 below the trainer's overflows
 # exp() to inf in fp32, and torch.where's discarded inf branch turns the
 # token's gradient, and with it the whole step's, into NaN (the step is then
-# skipped as non-finite). Above the bound the clip (A > 0) or the dual clip
-# (A < 0) already gives the token no gradient; with the dual clip off the
-# bound stops it too (clamp passes no gradient), instead of a ~1e9 push.
+# skipped as non-finite). "ppo_clip": above the bound the clip (A > 0) or
+# the dual clip (A < 0) already gives the token no gradient; with the dual
+# clip off the bound stops it too (clamp passes no gradient), instead of a
+# ~1e9 push. "gspo": the sequence ratio is a value without gradient, so the
+# bound only caps it: with the dual clip off and A < 0 the sequence pushes
+# with weight e^20 (PPO's open side), finite.
 LOG_RATIO_MAX = 20.0
 
 
