@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+import random
 import shutil
 from pathlib import Path
 
@@ -41,6 +42,13 @@ import torch
 
 from rlnode.actor.episode import ChatRenderer, parse_action
 from rlnode.cubes.registry import make_cube
+
+from probe_guessing import token_logprobs  # scripts/ is on sys.path when run as a script
+
+
+def guessing_cube(max_number: int, max_turns: int):
+    return make_cube("g", "guessing", {"max_number": max_number, "max_turns": max_turns, "feedback": "range"},
+                     seed=0)
 
 
 def trap_guess(line: tuple[int, ...], turn: int, lo: int, hi: int) -> int:
@@ -57,10 +65,8 @@ async def trajectories(tok, renderer, max_number: int, max_turns: int, line: tup
                        episodes: int = 0, seed: int = 0):
     """(token ids, completion mask) per episode: the trapped policy's, one per
     target; or, with line None, ``episodes`` of uniformly random digits."""
-    import random
     rng = random.Random(seed)
-    cube = make_cube("g", "guessing", {"max_number": max_number, "max_turns": max_turns, "feedback": "range"},
-                     seed=0)
+    cube = guessing_cube(max_number, max_turns)
     by_target: dict[int, str] = {}
     ids = await cube.task_ids("train")
     for t in ids:
@@ -100,8 +106,7 @@ async def show(model_dir: str, line: tuple[int, ...], max_number: int, max_turns
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     renderer = ChatRenderer(tok)
-    cube = make_cube("g", "guessing", {"max_number": max_number, "max_turns": max_turns, "feedback": "range"},
-                     seed=0)
+    cube = guessing_cube(max_number, max_turns)
     digits = [tok.encode(str(i), add_special_tokens=False)[0] for i in range(1, max_number + 1)]
     task_id = next(t for t in await cube.task_ids("train") if cube.target(t) == 3)
     task = await cube.open_task(task_id)
@@ -121,23 +126,22 @@ async def show(model_dir: str, line: tuple[int, ...], max_number: int, max_turns
         seq += comp + renderer.next_message(comp, res.role, res.observation)
 
 
-def _batch(tok, eps, decisions: int = 0):
-    L = max(len(s) for s, _ in eps)
-    ids = torch.full((len(eps), L), tok.pad_token_id, dtype=torch.long)
-    att = torch.zeros((len(eps), L), dtype=torch.long)
-    cm = torch.zeros((len(eps), L), dtype=torch.bool)
-    for i, (s, m) in enumerate(eps):
-        ids[i, :len(s)] = torch.tensor(s)
-        att[i, :len(s)] = 1
-        cm[i, :len(s)] = torch.tensor(m, dtype=torch.bool)
-        if decisions:
-            cm[i, cm[i].nonzero().flatten()[decisions:]] = False
-    return ids, att, ids[:, 1:], cm[:, 1:]
+def first_decisions(eps, decisions: int):
+    """``eps`` with only the first ``decisions`` completion tokens of each
+    episode left in its mask (all when 0)."""
+    if not decisions:
+        return eps
+    out = []
+    for seq, m in eps:
+        keep = [i for i, x in enumerate(m) if x][:decisions]
+        out.append((seq, [int(i in keep) for i in range(len(m))]))
+    return out
 
 
-def _logp(model, ids, att, tgt):
-    logp = torch.log_softmax(model(input_ids=ids, attention_mask=att).logits[:, :-1].float(), -1)
-    return logp.gather(-1, tgt[..., None]).squeeze(-1)
+def completion_logprobs(model, tok, eps) -> torch.Tensor:
+    """log pi of every masked completion token of ``eps`` (probe_guessing's forward)."""
+    logp, cm, _ = token_logprobs(model, [s for s, _ in eps], [m for _, m in eps], tok.pad_token_id)
+    return logp[cm.bool()]
 
 
 def main() -> None:
@@ -172,8 +176,7 @@ def main() -> None:
     if a.prior_steps:
         eps = asyncio.run(trajectories(tok, renderer, a.max_number, a.max_turns, None, episodes=64 * a.prior_steps))
         for step in range(a.prior_steps):
-            ids, att, tgt, sel = _batch(tok, eps[64 * step:64 * (step + 1)])
-            lp = _logp(model, ids, att, tgt)[sel]
+            lp = completion_logprobs(model, tok, eps[64 * step:64 * (step + 1)])
             loss = -lp.mean()
             opt.zero_grad()
             loss.backward()
@@ -181,10 +184,9 @@ def main() -> None:
             if step % 20 == 0 or step == a.prior_steps - 1:
                 print(f"prior step {step} loss {loss.item():.4f} (uniform over the digits: "
                       f"{math.log(a.max_number):.4f})", flush=True)
-    eps = asyncio.run(trajectories(tok, renderer, a.max_number, a.max_turns, line))
-    ids, att, tgt, sel = _batch(tok, eps, a.decisions)
+    eps = first_decisions(asyncio.run(trajectories(tok, renderer, a.max_number, a.max_turns, line)), a.decisions)
     for step in range(a.max_steps):
-        lp = _logp(model, ids, att, tgt)[sel]
+        lp = completion_logprobs(model, tok, eps)
         pmin = float(lp.detach().exp().min())
         if pmin >= a.p_min:
             break
