@@ -272,20 +272,75 @@ async def test_a_foreign_base_exception_fails_only_its_episode(vf):
     await asyncio.sleep(0)  # still on a live loop
 
 
-async def test_a_cancelled_episode_unwinds_its_own_loop(vf):
-    """The episode's timeout cancels the caller: the environment's loop is
-    cancelled too, its thread ends and the key variable is gone."""
-    import threading
+async def test_a_cancelled_episode_is_cancelled_on_the_foreign_loop(vf):
+    """The episode's timeout cancels the caller: its coroutine on the
+    foreign loop is cancelled too (nothing left running there) and the key
+    variable is gone."""
+    from rlnode.cubes.foreign_loop import ForeignLoop
 
     cube = single_cube()
     await cube.start()
     task = await cube.open_task("train-00000")
+    before = ForeignLoop.shared().stats()
     async with scripted_server(lambda m: "2", delay_s=4) as (endpoint, requests):
         with pytest.raises(TimeoutError):
             await asyncio.wait_for(task.run_agent(endpoint, {}), 1.0)
     assert len(requests) == 1
-    assert not [t for t in threading.enumerate() if t.name.startswith("rlnode-verifiers")]
+    after = ForeignLoop.shared().stats()
+    assert after["running"] == before["running"] and after["abandoned"] == before["abandoned"]
     assert not [k for k in os.environ if k.startswith("RLNODE_VF_API_KEY_")]
+
+
+async def test_64_concurrent_episodes_share_the_environments_locks(vf):
+    """Issue 34: verifiers shares asyncio locks between episodes (upstream's
+    SubprocessRuntime keeps them on the class), and so does this test
+    environment's harness (a lock and a semaphore, made at import, held
+    across a suspension by every episode). 64 concurrent episodes, one
+    try each: all 64 finish and score. With a loop per episode most failed
+    with "... is bound to a different event loop"."""
+    import vf_envs
+
+    cube = single_cube(env_args={**LOCAL, "taskset": {"num_tasks": 80}}, num_train=64)
+    await cube.start()
+    tasks = [await cube.open_task(f"train-{i:05d}") for i in range(64)]
+    entered = vf_envs.ExitHarness.entered
+    async with scripted_server(lambda m: "1") as (endpoint, requests):
+        # A deadline: on a loop per episode, some episodes also waited
+        # forever on a lock whose waiter was on another loop.
+        runs = [asyncio.ensure_future(t.run_agent(endpoint, {})) for t in tasks]
+        done, stuck = await asyncio.wait(runs, timeout=60)
+        for r in stuck:
+            r.cancel()
+    errors = [r.exception() for r in done if r.exception()]
+    assert not errors and not stuck, (f"{len(errors)} of 64 failed (first: {errors[:1]!r}), "
+                                      f"{len(stuck)} still running after 60 s")
+    rewards = [r.result() for r in runs]
+    assert len(requests) == 64 and vf_envs.ExitHarness.entered - entered == 64
+    # Answers alternate 1, 2 (ExitTaskset): the constant guess "1" wins half.
+    assert sorted(rewards) == [0.0] * 32 + [1.0] * 32
+
+
+async def test_a_hanging_harness_ends_at_its_deadline_and_the_loop_serves_on(vf):
+    """A harness that never returns ends at the episode's deadline (the
+    agent loop's wait_for on timeout_s); its coroutine is cancelled on the
+    foreign loop, which then serves the next episodes as before."""
+    from rlnode.cubes.foreign_loop import ForeignLoop
+
+    hung = single_cube(env_args={**LOCAL, "taskset": {"task": {"exit_in": "hang"}}}, timeout_s=1.0)
+    await hung.start()
+    healthy = single_cube()
+    await healthy.start()
+    before = ForeignLoop.shared().stats()
+    async with scripted_server(lambda m: "1") as (endpoint, _):
+        stuck = await hung.open_task("train-00000")
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(stuck.run_agent(endpoint, {}), stuck.timeout_s)
+        assert ForeignLoop.shared().stats()["running"] == before["running"]
+        assert await ForeignLoop.shared().lag_s() < 1.0
+        rewards = await asyncio.gather(*[(await healthy.open_task(f"train-0000{i}")).run_agent(endpoint, {})
+                                         for i in range(2)])
+    assert sorted(rewards) == [0.0, 1.0]
+    assert ForeignLoop.shared().stats()["abandoned"] == before["abandoned"]
 
 
 def test_rlnode_eval_prints_one_line_for_a_cube_that_cannot_start(vf, tmp_path, capsys):

@@ -7,11 +7,20 @@ runtime (the remote Prime sandbox).
 It is ``vf_guess``'s one-call game with a knob to misbehave:
 ``taskset.task.exit_in = "harness" | "rubric"`` makes that part raise
 ``SystemExit``, as code calling ``sys.exit`` (or verifiers' own Prime login
-check) does inside an episode.
+check) does inside an episode; ``"hang"`` makes the harness wait forever.
+
+Like upstream's, its harness shares asyncio objects between episodes:
+verifiers' ``SubprocessRuntime`` keeps its script locks on the class, made
+once and used by every rollout of the process. Here a lock and a semaphore,
+made at import, are taken by every episode and held across a suspension, so
+concurrent episodes contend for them: on one loop that is just a queue; on
+a loop per episode the second loop to wait binds them and the third fails
+("is bound to a different event loop").
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Literal
 
 import verifiers.v1 as vf
@@ -20,7 +29,7 @@ from rlnode.cubes import vf_guess
 
 
 class ExitTaskConfig(vf_guess.GuessTaskConfig):
-    exit_in: Literal["", "harness", "rubric"] = ""
+    exit_in: Literal["", "harness", "rubric", "hang"] = ""
 
 
 class ExitConfig(vf_guess.GuessConfig):
@@ -53,9 +62,21 @@ class ExitTaskset(vf.Taskset[ExitTask, ExitConfig]):
 
 
 class ExitHarness(vf_guess.GuessHarness):
+    # Shared by every episode in the process, as upstream's are.
+    shared_lock = asyncio.Lock()
+    shared_gate = asyncio.Semaphore(4)
+    entered = 0  # episodes that got through both
+
     async def launch(self, ctx, trace, runtime, endpoint, secret, mcp_urls, data, **kw) -> vf.ProgramResult:
-        if getattr(data, "exit_in", "") == "harness":
+        exit_in = getattr(data, "exit_in", "")
+        if exit_in == "harness":
             raise SystemExit("the harness exits")
+        if exit_in == "hang":
+            await asyncio.Event().wait()
+        async with ExitHarness.shared_gate:
+            async with ExitHarness.shared_lock:
+                await asyncio.sleep(0.002)  # held across a suspension: the others queue
+                ExitHarness.entered += 1
         return await super().launch(ctx, trace, runtime, endpoint, secret, mcp_urls, data, **kw)
 
 

@@ -34,12 +34,18 @@ the gateway would not honour, a seat whose runtime is a remote sandbox
 (verifiers' default, ``prime``: it needs network, credentials and a public
 tunnel to reach the gateway on this host), verifiers' own retries.
 
-Containment. Each episode plays on an event loop of its own, in a thread of
-its own (``contained``): asyncio re-raises ``SystemExit`` and
+Containment. Every episode of every verifiers cube plays on one event loop,
+in one thread, for the life of the process (``ForeignLoop``,
+``cubes/foreign_loop.py``). One loop, because verifiers shares asyncio
+locks and semaphores between episodes (``SubprocessRuntime._locks`` is a
+class attribute) and a lock fails on any loop but the one it bound to. Not
+the actor's loop, because asyncio re-raises ``SystemExit`` and
 ``KeyboardInterrupt`` from *any* task straight out of the loop, so a
 ``sys.exit`` anywhere in a foreign environment (its rubric runs under
-``gather``) would otherwise stop the actor. There it ends only its loop and
-becomes a ``CubeError`` for its episode.
+``gather``) would otherwise stop the actor. There it stops only the foreign
+loop's current turn, which runs on, and becomes a ``CubeError`` for its
+episode. The rubric, when rlnode asks for it, runs there too, under the
+cube's ``timeout_s``.
 
 Owns: the verifiers import, config and task lists, one verifiers episode per
 rlnode episode. Must not touch tokens or samples (the gateway does). The
@@ -49,13 +55,11 @@ verifiers import is lazy: rlnode runs without the extra.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import importlib
 import os
 import secrets
 import sys
-import threading
 from typing import Annotated, Any, Awaitable, Callable, Iterator, TypeVar
 
 import msgspec
@@ -66,6 +70,7 @@ from rlnode.cubes.base import (
     Action, AgentEndpoint, AgentTask, Cube, CubeError, CubeTaskRef, Evaluation, Reset, Split, StepResult, ToolSpec,
     run_blocking,
 )
+from rlnode.cubes.foreign_loop import ForeignLoop
 from rlnode.cubes.tasks import split_index
 from rlnode.log import get_logger
 
@@ -224,59 +229,11 @@ def _not_found(e: ModuleNotFoundError) -> str:
 
 
 async def contained(what: str, fn: Callable[[], Awaitable[T]], cancel_grace_s: float = 10.0) -> T:
-    """``await fn()`` on an event loop of its own, in a thread of its own.
-
-    asyncio re-raises SystemExit and KeyboardInterrupt from any task out of
-    its loop (``Task.__step``, ``Handle._run``), so no ``except`` around an
-    await can hold one raised in a task the environment spawned; here it
-    ends only this loop. Any BaseException that is not an Exception comes
-    back as a CubeError naming ``what``; exceptions come back as raised.
-    Cancelling the caller cancels ``fn`` and waits up to ``cancel_grace_s``
-    for it to unwind (then leaves the daemon thread, logged)."""
-    outer = asyncio.get_running_loop()
-    done: asyncio.Future = outer.create_future()
-    started: concurrent.futures.Future = concurrent.futures.Future()  # (loop, task) of fn
-    stop = threading.Event()
-
-    async def main() -> T:
-        started.set_result((asyncio.get_running_loop(), asyncio.current_task()))
-        if stop.is_set():
-            raise asyncio.CancelledError
-        return await fn()
-
-    def settle(outcome: tuple[bool, Any]) -> None:
-        if not done.done():
-            done.set_result(outcome)
-
-    def thread() -> None:
-        try:
-            outcome = (True, asyncio.run(main()))
-        except BaseException as e:  # noqa: BLE001 - every outcome crosses back to the caller's loop
-            outcome = (False, e)
-        with contextlib.suppress(RuntimeError):  # the caller's loop is gone: nobody waits
-            outer.call_soon_threadsafe(settle, outcome)
-
-    threading.Thread(target=thread, name=f"rlnode-{what}", daemon=True).start()
-    try:
-        ok, value = await asyncio.shield(done)
-    except asyncio.CancelledError:
-        stop.set()
-        if started.done():
-            loop, task = started.result()
-            with contextlib.suppress(RuntimeError):  # its loop already closed
-                loop.call_soon_threadsafe(task.cancel)
-        try:
-            await asyncio.wait_for(asyncio.shield(done), cancel_grace_s)
-        except TimeoutError:
-            log.warning("verifiers.cancel_unfinished", what=what, grace_s=cancel_grace_s)
-        raise
-    if ok:
-        return value
-    if isinstance(value, Exception):
-        raise value
-    # SystemExit, KeyboardInterrupt, a CancelledError the environment raised
-    # on its own, any other BaseException: this episode failed, nothing more.
-    raise CubeError(f"{what}: the environment raised {type(value).__name__}: {value}") from value
+    """``await fn()`` on the process's one foreign loop (``ForeignLoop``):
+    every verifiers episode and rubric of every cube shares it, so objects
+    verifiers shares between episodes stay on the loop they were bound to,
+    and a SystemExit in one episode fails only that episode."""
+    return await ForeignLoop.shared().run(what, fn, cancel_grace_s)
 
 
 def _trained(traces: list) -> list:
@@ -346,7 +303,13 @@ class VerifiersTask(AgentTask):
                 raise CubeError("no rubric reward: the verifiers episode recorded no run")
             for t in self.traces:
                 if not t.rewards:  # the run failed before its scoring stage
-                    await contained("verifiers rubric", lambda t=t: self.task.score(t))
+                    # Under the cube's deadline: a rubric (an LLM judge) that
+                    # hangs would hold its group and its credit forever.
+                    try:
+                        await asyncio.wait_for(contained("verifiers rubric", lambda t=t: self.task.score(t)),
+                                               self.timeout_s)
+                    except TimeoutError:
+                        raise CubeError(f"verifiers rubric: no score within timeout_s = {self.timeout_s:g} s") from None
             self.reward = sum(t.reward for t in self.traces) / len(self.traces)
         info = {"stop": [t.stop_condition for t in self.traces],
                 "rewards": [{k: (r.value if r else None) for k, r in t.rewards.items()} for t in self.traces],
