@@ -42,6 +42,28 @@ class ModelConfig(_Section):
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
     # Longest sequence (prompt + completion) in tokens an engine accepts.
     max_model_len: Annotated[int, Meta(ge=16)] = 2048
+    # -- chat format: how prompts are rendered and completions read, for the
+    # native agent loop and the gateway alike (as `vllm serve` takes them).
+    # Chat template, a Jinja file (`vllm serve --chat-template`); empty = the
+    # tokenizer's own. A relative path is taken from the working directory,
+    # like model.path. It must be prefix-stable (adding a message never
+    # changes the text of earlier ones). A cube that offers tools needs a
+    # template that renders them: the actor refuses to start otherwise.
+    # conf/templates/chatml-tools.jinja is ChatML with a Hermes tools
+    # section, for ChatML models whose own template has none (SmolLM2).
+    chat_template: str = ""
+    # Reads tool calls out of completions: a `vllm serve --tool-call-parser`
+    # name of the installed vLLM (hermes, llama3_json, mistral, pythonic,
+    # qwen3_coder, ...; an unknown name is refused at start and by `rlnode
+    # check`, listing the known ones). "hermes": <tool_call>{json}</tool_call>
+    # (Qwen2.5, Hermes, the tiny test model, chatml-tools.jinja). "" = none:
+    # completions are text only. Calls are read only on turns that offer tools.
+    tool_parser: str = "hermes"
+    # Splits reasoning off the answer: a `vllm serve --reasoning-parser`
+    # name (deepseek_r1, qwen3, ...); "" = none. Cubes get the answer
+    # without the reasoning; the gateway returns it as `reasoning` and
+    # `reasoning_content`. Samples keep every token either way.
+    reasoning_parser: str = ""
 
 
 class EngineConfig(_Section):

@@ -178,7 +178,7 @@ async def play(model, renderer, cube, task_ids: list[str], max_turns: int, max_t
             e["seq"] = e["seq"] + c
             e["cmask"] = e["cmask"] + [1] * len(c)
             e["turns"] += 1
-            res = await e["task"].step(parse_action(renderer.decode(c)))
+            res = await e["task"].step(parse_action(renderer.completion_text(c), renderer.parser, e["task"].tools()))
             if res.done or turn == max_turns - 1:
                 e["done"] = True
             else:

@@ -85,7 +85,7 @@ async def trajectories(tok, renderer, max_number: int, max_turns: int, line: tup
             assert len(comp) == 1, f"{g!r} is not one token"
             seq += comp
             cmask += [1]
-            res = await task.step(parse_action(renderer.decode(comp)))
+            res = await task.step(parse_action(renderer.completion_text(comp), renderer.parser, task.tools()))
             if res.done:
                 break
             lo, hi = task.lo, task.hi
@@ -120,7 +120,7 @@ async def show(model_dir: str, line: tuple[int, ...], max_number: int, max_turns
         print(f"turn {turn + 1}, range {state:8s}: " + " ".join(f"{i + 1}: {float(p[d]):.4f}" for i, d in enumerate(digits))
               + f"  other: {1 - float(p[digits].sum()):.4f}  H = {ent:.3f} nats", flush=True)
         comp = tok.encode(str(trap_guess(line, turn, task.lo, task.hi)), add_special_tokens=False)
-        res = await task.step(parse_action(renderer.decode(comp)))
+        res = await task.step(parse_action(renderer.completion_text(comp), renderer.parser, task.tools()))
         if res.done:
             break
         seq += comp + renderer.next_message(comp, res.role, res.observation)

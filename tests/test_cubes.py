@@ -8,7 +8,7 @@ import msgspec
 import pytest
 
 from rlnode.actor.episode import parse_action
-from rlnode.cubes.base import Action, CubeError, ToolCall
+from rlnode.cubes.base import Action, CubeError, ToolCall, ToolSpec
 from rlnode.cubes.registry import UnknownCube, cube_class, make_cube
 
 
@@ -172,19 +172,32 @@ def test_registry_unknown_and_entry_point(tmp_path, monkeypatch):
     sys.modules.pop("mycube_pkg", None)
 
 
-def test_parse_action_variants():
-    a = parse_action('Let me answer. <tool_call>{"name": "submit_answer", "arguments": {"answer": 4}}</tool_call><|im_end|>')
-    assert a.tool_calls == [ToolCall("submit_answer", {"answer": 4})]
-    assert a.text == "Let me answer. <|im_end|>" and a.parse_error is None
-    s = parse_action('<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>')
+def test_parse_action_variants(tokenizer):
+    """The default reader (vLLM's hermes parser, model.tool_parser): what a
+    cube sees of a completion. tests/test_parsers.py has the other formats."""
+    from rlnode.actor.parsing import CompletionParser
+
+    hermes = CompletionParser(tokenizer)
+    tools = [ToolSpec("submit_answer"), ToolSpec("f")]
+
+    def parse(text):
+        return parse_action(text, hermes, tools)
+
+    a = parse('Let me answer. <tool_call>{"name": "submit_answer", "arguments": {"answer": 4}}</tool_call>')
+    assert a == Action(text="Let me answer.", tool_calls=[ToolCall("submit_answer", {"answer": 4})])
+    s = parse('<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>')
     assert s.tool_calls == [ToolCall("f", {"x": 1})]
-    two = parse_action('<tool_call>{"name": "a"}</tool_call><tool_call>{"name": "b", "arguments": {}}</tool_call>')
+    two = parse('<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": "b", "arguments": {}}</tool_call>')
     assert [c.name for c in two.tool_calls] == ["a", "b"]
-    bad = parse_action('<tool_call>{"name": "f", "arguments": {</tool_call>')
-    assert bad.tool_calls == [] and "invalid tool call" in bad.parse_error
-    wrong_shape = parse_action('<tool_call>["f"]</tool_call>')
-    assert wrong_shape.parse_error and not wrong_shape.tool_calls
-    open_ = parse_action('<tool_call>{"name": "f"')
-    assert open_.parse_error == "unterminated <tool_call>"
-    plain = parse_action("42")
-    assert plain == Action(text="42")
+    # vLLM's hermes parser reads all calls or none: one without arguments
+    # (or any malformed one) is a parse error, shown to the agent.
+    for bad in ('<tool_call>{"name": "f", "arguments": {</tool_call>', '<tool_call>["f"]</tool_call>',
+                '<tool_call>{"name": "f"', '<tool_call>{"name": "a"}</tool_call>'):
+        a = parse(bad)
+        assert a.tool_calls == [] and a.parse_error.startswith("invalid tool call: <tool_call>"), bad
+    # Cut off after a complete call (a length stop before </tool_call>): still the call.
+    assert parse('<tool_call>{"name": "f", "arguments": {}}').tool_calls == [ToolCall("f", {})]
+    assert parse("42") == Action(text="42")
+    # A turn that offers no tools reads no call (as vllm serve).
+    text = '<tool_call>{"name": "f", "arguments": {}}</tool_call>'
+    assert parse_action(text, hermes, []) == Action(text=text)

@@ -12,7 +12,7 @@ import torch
 from conftest import assert_engine_idle, reference_logprobs
 from rlnode.actor.engine import SamplingSettings
 from rlnode.actor.episode import ChatRenderer, EpisodeSettings
-from rlnode.actor.gateway import Gateway, split_tool_calls, _stream_safe
+from rlnode.actor.gateway import Gateway, _stream_safe
 from rlnode.actor.generation import LLMClient
 from rlnode.actor.router import AdmissionRouter
 
@@ -279,16 +279,20 @@ async def test_ending_an_episode_aborts_its_calls(gateway, engine, router):
     assert not s.calls
 
 
-def test_split_tool_calls_and_stream_prefix():
+def test_tool_call_reply_and_stream_prefix(tokenizer):
+    """The reply's content and calls (the default parser, hermes): what was
+    streamed before the call is always a prefix of the final content."""
+    parser = ChatRenderer(tokenizer).parser
+    tools = [{"type": "function", "function": {"name": "guess"}}]
     text = 'Let me try. <tool_call>{"name": "guess", "arguments": {"n": 4}}</tool_call>'
-    content, calls = split_tool_calls(text)
-    assert content == "Let me try. " and [(c.name, c.arguments) for c in calls] == [("guess", {"n": 4})]
-    # Everything streamed before the call is a prefix of the final content.
+    p = parser.parse(text, tools)
+    assert p.content == "Let me try. " and [(c.name, c.arguments) for c in p.tool_calls] == [("guess", {"n": 4})]
     for k in range(len(text) + 1):
-        assert content.startswith(_stream_safe(text[:k], tools_on=True))
+        assert p.content.startswith(_stream_safe(text[:k], True, parser))
     bad = "x <tool_call>{not json</tool_call>"
-    assert split_tool_calls(bad) == (bad, [])
-    assert split_tool_calls("plain") == ("plain", [])
+    assert parser.parse(bad, tools)[:3] == (bad, None, [])
+    assert parser.parse("plain", tools) == ("plain", None, [], None)
+    assert parser.parse(text, None) == (text, None, [], None)  # tool_choice "none" / no tools: text as is
 
 
 class _GatewayRole:

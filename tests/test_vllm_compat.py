@@ -71,8 +71,8 @@ def test_snapshot_tool_reads_a_source_like_import_does():
 
 
 @pytest.mark.parametrize("version, expected", [
-    ("0.26.0", dict(weight_versions=False, pause_clear_cache=True, cache_salt=True)),
-    ("0.32.0", dict(weight_versions=True, pause_clear_cache=True, cache_salt=True)),
+    ("0.26.0", dict(weight_versions=False, pause_clear_cache=True, cache_salt=True, parser_prompt_ids=False)),
+    ("0.32.0", dict(weight_versions=True, pause_clear_cache=True, cache_salt=True, parser_prompt_ids=True)),
 ])
 def test_detection_picks_each_releases_paths(version, expected):
     assert vllm_compat.detect(_snapshot(version)) == vllm_compat.Api(version=version, **expected)

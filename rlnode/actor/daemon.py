@@ -21,7 +21,7 @@ import time
 import msgspec
 
 from rlnode.actor.engine import Engine, SamplingSettings, fp32_lm_head_enabled
-from rlnode.actor.episode import ChatRenderer, EpisodeSettings
+from rlnode.actor.episode import ChatRenderer, EpisodeSettings, check_tools_rendered, make_renderer
 from rlnode.actor.gateway import Gateway
 from rlnode.actor.generation import LLMClient
 from rlnode.actor.router import AdmissionRouter
@@ -108,7 +108,7 @@ class ActorDaemon:
         self.client = LLMClient(self.engines, self.router)
         # External agents' OpenAI endpoint; served on the ops HTTP endpoint
         # (add_http_routes) or, without one, on a loopback port of its own.
-        # Its renderer is set with the scheduler's (it needs the tokenizer).
+        # Its renderer is set at start (it needs the tokenizer).
         self.gateway = Gateway(self.client, None, episode_settings(cfg),
                                model_name=os.path.basename(os.path.normpath(cfg.model.path)) or "rlnode")
         self._gateway_site = contextlib.AsyncExitStack()
@@ -127,6 +127,10 @@ class ActorDaemon:
         self.cubes = await open_cubes(self.cfg.actor.cubes, self.cfg.run.seed)
         started: list[Engine] = []
         try:
+            if self.cubes:
+                # Before the engines: a parser name or a chat template that
+                # cannot work is refused in seconds, not after their start.
+                self.gateway.renderer = await self._make_renderer()
             # Sequential on purpose: concurrent engine starts on one host
             # race for memory and CPU and make start-up failures ambiguous.
             for engine in self.engines:
@@ -147,15 +151,23 @@ class ActorDaemon:
         log.info("actor.started", node=self.node_id, engines=len(self.engines), peers=self.peers,
                  llm_max_rollouts=self.router.capacity, cubes=list(self.cubes))
 
-    async def _make_scheduler(self) -> RolloutScheduler:
+    async def _make_renderer(self) -> ChatRenderer:
+        """The tokenizer, model.chat_template and the output parsers; refuses
+        (ConfigError) an unknown parser, a missing template, or cubes with
+        tools on a template that renders none."""
         from transformers import AutoTokenizer
 
+        m = self.cfg.model
+        tok = await asyncio.to_thread(AutoTokenizer.from_pretrained, m.tokenizer or m.path)
+        renderer = await asyncio.to_thread(make_renderer, tok, m)
+        await check_tools_rendered(renderer, self.cubes, m.chat_template)
+        return renderer
+
+    async def _make_scheduler(self) -> RolloutScheduler:
         cfg = self.cfg
-        tok = await asyncio.to_thread(AutoTokenizer.from_pretrained, cfg.model.tokenizer or cfg.model.path)
-        self.gateway.renderer = renderer = ChatRenderer(tok)
         sched = RolloutScheduler(
             self.cubes, {c.id: c.weight for c in cfg.actor.cubes}, [c.id for c in cfg.actor.cubes if c.eval],
-            self.client, renderer,
+            self.client, self.gateway.renderer,
             msgspec.structs.replace(cfg.actor.scheduler, max_lag=effective_max_lag(cfg)),
             episode_settings(cfg), self.versions,
             seed=cfg.run.seed, on_eval=self._on_eval, id_prefix=f"{self.node_id}-{self.incarnation}-",

@@ -1,10 +1,13 @@
 """The agent loop: one episode of one cube task, as a coroutine.
 
-Owns: turning cube observations into prompt token ids, completions into
-``Action``s, and every LLM call into a ``TrainingSample``. Token-in /
-token-out: the prompt of turn k+1 is the prompt of turn k, plus the tokens
-the engine produced, plus the template tokens of the new message. Nothing the
-engine produced is ever decoded and re-encoded into a prompt.
+Owns: turning cube observations into prompt token ids (``ChatRenderer``,
+with ``model.chat_template``), completions into ``Action``s (read by vLLM's
+parsers, ``parsing.py``), and every LLM call into a ``TrainingSample``; the
+start check that a chat template shows the tools the cubes offer.
+Token-in / token-out: the prompt of turn k+1 is the prompt of turn k, plus
+the tokens the engine produced, plus the template tokens of the new message.
+Nothing the engine produced is ever decoded and re-encoded into a prompt
+(completions are decoded only to be read).
 
 Stops at the cube's ``done``, at ``max_turns`` LLM calls, or when the context
 has no room left for a completion (``min_completion_tokens``).
@@ -18,61 +21,59 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import math
-import re
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import msgspec
 
 from rlnode.actor.engine import Completion, SamplingSettings
 from rlnode.actor.generation import LLMClient
+from rlnode.actor.parsing import CompletionParser
 from rlnode.actor.router import LeaseMetadata
-from rlnode.cubes.base import Action, CubeError, CubeTask, CubeTaskRef, ToolCall, ToolSpec
+from rlnode.config import ConfigError, ModelConfig
+from rlnode.cubes.base import Action, Cube, CubeError, CubeTask, CubeTaskRef, ToolSpec
+from rlnode.log import get_logger
 from rlnode.wire import TrainingSample, pack_f32, pack_i32
 
-_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+log = get_logger("rlnode.actor")
+
+TEMPLATE_WITH_TOOLS = "conf/templates/chatml-tools.jinja"
 
 
-def parse_action(text: str) -> Action:
-    """Hermes/Qwen style: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``.
-    A malformed call becomes ``parse_error`` (shown to the agent), never an
-    exception."""
-    calls: list[ToolCall] = []
-    errors: list[str] = []
-    for raw in _TOOL_CALL.findall(text):
-        try:
-            obj = json.loads(raw)
-            args = obj.get("arguments", {})
-            if isinstance(args, str):  # some models emit arguments as a JSON string
-                args = json.loads(args)
-            if not isinstance(obj.get("name"), str) or not isinstance(args, dict):
-                raise ValueError("expected {\"name\": str, \"arguments\": object}")
-            calls.append(ToolCall(obj["name"], args))
-        except (ValueError, AttributeError) as e:
-            errors.append(f"invalid tool call {raw.strip()[:80]!r}: {e}")
-    rest = _TOOL_CALL.sub("", text)
-    if "<tool_call>" in rest:
-        errors.append("unterminated <tool_call>")
-        rest = rest.replace("<tool_call>", "")
-    return Action(text=rest.strip(), tool_calls=calls, parse_error="; ".join(errors) or None)
+def parse_action(text: str, parser: CompletionParser, tools: list[ToolSpec], output_ids: list[int] = (),
+                 prompt_ids: list[int] | None = None) -> Action:
+    """A completion's text as the cube sees it: its content (reasoning and
+    call markup removed, ``model.reasoning_parser``), the tool calls
+    ``model.tool_parser`` reads (only when the task offers ``tools``), and
+    a malformed call as ``parse_error`` (shown to the agent), never an
+    exception. ``output_ids``/``prompt_ids``: for parsers that read them."""
+    p = parser.parse(text, [t.as_chat_tool() for t in tools], output_ids=output_ids, prompt_ids=prompt_ids)
+    return Action(text=p.content.strip(), tool_calls=p.tool_calls, parse_error=p.error)
 
 
 class ChatRenderer:
-    """Applies the model's chat template one message at a time, in tokens.
+    """Applies the model's chat template one message at a time, in tokens,
+    and reads completions back (``parser``: ``model.tool_parser`` /
+    ``model.reasoning_parser``).
 
     The template is rendered for a fixed two-message base conversation with
     and without the new message; the difference is what the new message adds.
     This keeps templates that inject default system prompts or per-turn
     markup correct without re-rendering (and re-tokenising) the history.
+    ``chat_template``: Jinja text used instead of the tokenizer's own
+    (``model.chat_template``).
     """
 
     _BASE = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, chat_template: str | None = None, parser: CompletionParser | None = None):
         self.tok = tokenizer
+        self.chat_template = chat_template or None
+        self._parser = parser
         self.eos_id = tokenizer.eos_token_id
+        self._special_ids = frozenset(tokenizer.all_special_ids)
         eos = tokenizer.eos_token
         self._closed = closed = self._render(self._BASE, None, add_generation_prompt=False)
         # Template text between the assistant's end-of-turn token and the next
@@ -83,10 +84,28 @@ class ChatRenderer:
         # text of C characters needs at least C // max_token_chars tokens.
         self.max_token_chars = max(1, max(map(len, tokenizer.get_vocab())))
 
+    @property
+    def parser(self) -> CompletionParser:
+        """Built on first use (Hermes, no reasoning, unless given): it loads
+        vLLM's parser registry."""
+        if self._parser is None:
+            self._parser = CompletionParser(self.tok)
+        return self._parser
+
     def _render(self, messages, tools, add_generation_prompt: bool) -> str:
         return self.tok.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False
+            messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False,
+            chat_template=self.chat_template,
         )
+
+    def renders_tools(self) -> bool:
+        """Whether the template shows tools to the model at all: a probe
+        conversation rendered with a probe tool differs from it rendered
+        without (a template with no tools section ignores ``tools``)."""
+        probe = ToolSpec("rlnode_probe_tool", "Probe whether tools are rendered.",
+                         {"type": "object", "properties": {"x": {"type": "string"}}}).as_chat_tool()
+        msgs = [{"role": "user", "content": "u"}]
+        return self._render(msgs, [probe], True) != self._render(msgs, None, True)
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False)
@@ -121,6 +140,65 @@ class ChatRenderer:
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=False)
+
+    def completion_text(self, ids: list[int], finish_reason: str = "") -> str:
+        """A completion's text for the parsers: special tokens kept (many
+        vocabularies make call markers special), the token it stopped on
+        dropped (the eos, or another special stop token such as Llama 3's
+        ``<|eom_id|>`` after a call)."""
+        if ids and (ids[-1] == self.eos_id or (finish_reason == "stop" and ids[-1] in self._special_ids)):
+            ids = ids[:-1]
+        return self.decode(ids)
+
+
+def make_renderer(tokenizer, model: ModelConfig) -> ChatRenderer:
+    """The renderer ``model`` asks for: its chat template and parsers.
+    ConfigError naming the key when the template file is missing or a
+    parser is unknown."""
+    template = None
+    if model.chat_template:
+        path = Path(model.chat_template)
+        if not path.is_file():
+            raise ConfigError(f"model.chat_template: {path} is not a file (a Jinja chat template; a relative path "
+                              "is taken from the working directory)")
+        template = path.read_text()
+    parser = CompletionParser(tokenizer, model.tool_parser, model.reasoning_parser)
+    return ChatRenderer(tokenizer, template, parser)
+
+
+async def check_tools_rendered(renderer: ChatRenderer, cubes: dict[str, Cube], chat_template: str = "") -> None:
+    """ConfigError when a cube offers tools that the chat template does not
+    show the model (it would be rewarded for calling tools it never sees).
+    A cube's tools are those of its first task (opened, reset, closed).
+    ``chat_template``: the configured model.chat_template, for the message."""
+    if not cubes or renderer.renders_tools():
+        return
+    for cid, cube in cubes.items():
+        try:
+            tools = await _first_task_tools(cube)
+        except Exception as e:  # the probe is advisory; the scheduler meets a broken cube soon enough
+            log.warning("actor.tools_probe_failed", cube=cid, error=repr(e)[:300])
+            continue
+        if tools:
+            which = f"model.chat_template = {chat_template!r}" if chat_template else \
+                "the model's own, model.chat_template is empty"
+            raise ConfigError(
+                f"cube {cid!r} offers tools ({', '.join(t.name for t in tools)}) but the chat template ({which}) "
+                "renders no tools: the model would never see them. Set model.chat_template to a template with a "
+                f"tools section, e.g. {TEMPLATE_WITH_TOOLS} (ChatML, Hermes <tool_call> markup, read by "
+                "model.tool_parser = \"hermes\")")
+
+
+async def _first_task_tools(cube: Cube) -> list[ToolSpec]:
+    ids = await cube.task_ids("train") or await cube.task_ids("test")
+    if not ids:
+        return []
+    task = await cube.open_task(ids[0])
+    try:
+        await task.reset()
+        return task.tools()
+    finally:
+        await task.close()
 
 
 class EpisodeResult(msgspec.Struct):
@@ -220,7 +298,8 @@ async def _play(client, renderer, task, settings, episode_id, group_id, policy_v
         engine = gen.lease.engine_id
         c = gen.completion
         pending.append(dict(step_index=turn, prompt=prompt, completion=c, lease=gen.lease, version=version))
-        action = parse_action(renderer.decode(c.token_ids))
+        action = parse_action(renderer.completion_text(c.token_ids, c.finish_reason), renderer.parser, tools,
+                              c.token_ids, prompt)
         result = await task.step(action)
         agent_errors += result.error is not None
         if result.done:

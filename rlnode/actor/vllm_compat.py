@@ -24,6 +24,23 @@ so a backport or a patched build takes the path its API supports. Features:
   ``VersionSpans``).
 * ``pause_clear_cache``: ``pause_generation(clear_cache=)``.
 * ``cache_salt``: the ``cache_salt`` prompt key.
+* ``parser_prompt_ids``: ``Parser.set_prompt_token_ids`` (0.32; absent in
+  0.26-0.31): the output parser is told the rendered prompt (vLLM's ``hf``
+  response-template parser reads it).
+
+Output parsers (``model.tool_parser`` / ``model.reasoning_parser``, used by
+``rlnode/actor/parsing.py``): every release in the range has them at the
+same paths, ``vllm.tool_parsers`` (``ToolParserManager``), ``vllm.reasoning``
+(``ReasoningParserManager``) and ``vllm.parser.parser_manager``
+(``ParserManager.get_parser``, which composes the two as ``vllm serve``
+does), with ``Parser(tokenizer, tools).parse(text, request,
+enable_auto_tools)``. Before 0.26 the tool parsers lived under
+``vllm.entrypoints.openai.tool_parsers`` and there was no ``vllm.parser``:
+outside the range, not handled. What moved inside the range is kept out of
+rlnode's way: the result types (``vllm.entrypoints.openai.engine.protocol``
+in 0.26, ``vllm.entrypoints.generate.base.protocol`` in 0.32) are only read,
+never imported; ``get_parser`` gained ``tool_strict_level`` (0.31) and
+``tokenizer`` (0.32), which rlnode does not pass.
 """
 
 from __future__ import annotations
@@ -91,6 +108,11 @@ SYMBOLS: tuple[Symbol, ...] = (
     # vLLM's V2 GPU model runner (the default for dense models in 0.26) forwards
     # reload_weights to V1's; recorded so a change there shows in the snapshot.
     Symbol("vllm.v1.worker.gpu.model_runner", "GPUModelRunner.reload_weights", "params"),
+    # Output parsing (rlnode/actor/parsing.py) calls these on instances the
+    # source scan cannot follow.
+    Symbol("vllm.parser.abstract_parser", "Parser.__init__", "params"),
+    Symbol("vllm.parser.abstract_parser", "Parser.parse", "params"),
+    Symbol("vllm.parser.abstract_parser", "Parser.set_prompt_token_ids", "params"),
 )
 
 # Names that every supported release has; missing ones are fatal.
@@ -104,6 +126,9 @@ _REQUIRED: dict[str, tuple[str, ...]] = {
     "vllm.distributed.device_communicators.pynccl:PyNcclCommunicator": ("disabled",),
     "vllm.distributed.utils:StatelessProcessGroup": ("rank", "store", "world_size"),
     "vllm.distributed.utils:StatelessProcessGroup.broadcast_obj": ("obj", "src"),
+    "vllm.parser.abstract_parser:Parser.__init__": ("tokenizer", "tools"),
+    "vllm.parser.abstract_parser:Parser.parse": ("model_output", "request", "enable_auto_tools",
+                                                "model_output_token_ids"),
 }
 # Needed only where vLLM does not report weight versions itself.
 _FALLBACK_REQUIRED: dict[str, tuple[str, ...]] = {
@@ -181,6 +206,7 @@ class Api(NamedTuple):
     weight_versions: bool
     pause_clear_cache: bool
     cache_salt: bool
+    parser_prompt_ids: bool
 
 
 def check_version(version: str) -> None:
@@ -214,6 +240,7 @@ def detect(snapshot: dict) -> Api:
         weight_versions=weight_versions,
         pause_clear_cache=has(f"{_ASYNC_LLM}:AsyncLLM.pause_generation", "clear_cache"),
         cache_salt=has("vllm.inputs.engine:_InputOptions", "cache_salt"),
+        parser_prompt_ids=syms.get("vllm.parser.abstract_parser:Parser.set_prompt_token_ids") is not None,
     )
 
 
@@ -388,3 +415,63 @@ async def set_weight_version(llm, version: str, spans: VersionSpans | None) -> N
 def completion_spans(out) -> list[tuple[str, int, int]]:
     """The spans vLLM reported (``Api.weight_versions`` true)."""
     return [(s.version, s.start, s.end) for s in (out.weight_versions or [])]
+
+
+# --------------------------------------------------------------------------
+# Output parsers (model.tool_parser / model.reasoning_parser)
+
+
+def parser_names() -> tuple[list[str], list[str]]:
+    """(tool parsers, reasoning parsers) the installed vLLM registers: the
+    names ``vllm serve --tool-call-parser`` / ``--reasoning-parser`` take."""
+    from vllm.reasoning import ReasoningParserManager
+    from vllm.tool_parsers import ToolParserManager
+
+    return ToolParserManager.list_registered(), ReasoningParserManager.list_registered()
+
+
+def tool_parser_class(name: str) -> type:
+    from vllm.tool_parsers import ToolParserManager
+
+    return ToolParserManager.get_tool_parser(name)
+
+
+def output_parser_class(tool_parser: str, reasoning_parser: str) -> type | None:
+    """The parser class ``vllm serve --enable-auto-tool-choice
+    --tool-call-parser T --reasoning-parser R`` builds per request (None when
+    both names are empty). Every release in the range composes the two the
+    same way for text output; the special cases (Harmony, and Mistral's own
+    wrapper in 0.26-0.30) are inside ``get_parser``."""
+    from vllm.parser.parser_manager import ParserManager
+
+    return ParserManager.get_parser(tool_parser_name=tool_parser or None,
+                                    reasoning_parser_name=reasoning_parser or None, enable_auto_tools=True)
+
+
+def cached_tokenizer(tokenizer):
+    """The tokenizer as vLLM hands it to parsers: ``get_vocab()`` and the
+    special ids computed once (a parser looks its marker tokens up on
+    construction; on a 150k vocabulary an uncached lookup costs 20-90 ms)."""
+    from vllm.tokenizers.hf import get_cached_tokenizer
+
+    return get_cached_tokenizer(tokenizer)
+
+
+def chat_request(tools: list[dict] | None):
+    """The request object parsers read (``tools``, ``tool_choice``): "auto"
+    with tools, "none" without (a request without tools cannot ask for
+    "auto"). Raises (pydantic's or vLLM's validation error) when ``tools``
+    are not OpenAI function tools."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+    if tools:
+        return ChatCompletionRequest(messages=[], model="rlnode", tools=tools, tool_choice="auto")
+    return ChatCompletionRequest(messages=[], model="rlnode")
+
+
+def parse_output(parser, text: str, request, output_ids: list[int], prompt_ids: list[int] | None):
+    """(reasoning, content, tool calls) of one completion, as ``vllm serve``
+    computes them for a non-streamed response."""
+    if prompt_ids is not None and api().parser_prompt_ids:
+        parser.set_prompt_token_ids(prompt_ids)
+    return parser.parse(text, request, enable_auto_tools=True, model_output_token_ids=output_ids)

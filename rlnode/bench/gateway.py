@@ -44,7 +44,7 @@ import msgspec
 
 from rlnode.actor.agent_episode import run_agent_episode
 from rlnode.actor.engine import Engine, SamplingSettings
-from rlnode.actor.episode import ChatRenderer, EpisodeResult, EpisodeSettings, run_episode
+from rlnode.actor.episode import ChatRenderer, EpisodeResult, EpisodeSettings, make_renderer, run_episode
 from rlnode.actor.gateway import Gateway
 from rlnode.actor.generation import LLMClient
 from rlnode.actor.router import AdmissionRouter
@@ -249,7 +249,7 @@ async def bench_gateway(cfg: Config, concurrency: int, episodes: int, max_tokens
         SamplingSettings(max_tokens=max_tokens, temperature=s.temperature, top_p=s.top_p, ignore_eos=True),
         max_turns=cfg.actor.episode.max_turns, max_model_len=cfg.model.max_model_len,
         min_completion_tokens=cfg.actor.episode.min_completion_tokens)
-    renderer = ChatRenderer(AutoTokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.path))
+    renderer = make_renderer(AutoTokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.path), cfg.model)
     engine = Engine(0, cfg.model, cfg.actor.engine)
     await engine.start()
     try:

@@ -27,7 +27,7 @@ import socket
 import sys
 from pathlib import Path
 
-from rlnode.config import Config, actor_node_id
+from rlnode.config import Config, ConfigError, actor_node_id
 from rlnode.addresses import is_loopback as literal_loopback
 from rlnode.ops.findings import FAIL, OK, WARN, Finding
 from rlnode.ops.stack import check_stack, cuda_roles
@@ -286,6 +286,30 @@ def check_exposure(cfg: Config, role: str) -> list[Finding]:
     return out
 
 
+def check_parsers(cfg: Config) -> list[Finding]:
+    """The chat format an actor starts with (it refuses the same at start):
+    model.tool_parser / model.reasoning_parser among the installed vLLM's
+    parsers, model.chat_template a file. Imports vLLM's parser registry."""
+    from rlnode.actor.parsing import check_parser_names
+
+    m = cfg.model
+    out: list[Finding] = []
+    if m.chat_template and not Path(m.chat_template).is_file():
+        out.append(Finding(FAIL, "chat", f"model.chat_template {m.chat_template!r} is not a file (a Jinja chat "
+                           "template; a relative path is taken from the working directory)"))
+    try:
+        check_parser_names(m.tool_parser, m.reasoning_parser)
+    except ConfigError as e:
+        out.append(Finding(FAIL, "chat", str(e)))
+    except ImportError as e:  # no usable vLLM: the vllm finding says why
+        out.append(Finding(WARN, "chat", f"parser names not checked: {e}"))
+    if not out:
+        template = m.chat_template or "the model's own"
+        out.append(Finding(OK, "chat", f"tool calls: {m.tool_parser or 'not read'}, reasoning: "
+                           f"{m.reasoning_parser or 'not split'}, template: {template}"))
+    return out
+
+
 def run_checks(cfg: Config, role: str = "all", gpus: int | None = None, stack: bool = True,
                gpu_gib: float | None = None) -> list[Finding]:
     """Every finding for ``role`` on this machine (``gpus``: override the
@@ -299,6 +323,8 @@ def run_checks(cfg: Config, role: str = "all", gpus: int | None = None, stack: b
     findings += check_files(cfg, role)
     if stack:
         findings += check_stack(cfg, role, gpus, here, None if gpu_gib is None else int(gpu_gib * 2**30))
+        if role in ("actor", "all"):
+            findings += check_parsers(cfg)
     return findings
 
 

@@ -38,24 +38,30 @@ tokenizer's longest token is refused before tokenizing; large new messages
 are tokenized in a thread, off the event loop; streaming takes vLLM's DELTA
 outputs.
 
-Owns: sessions, request validation, prompt construction, tool-call parsing,
+Tool calls and reasoning. A reply is read by the same vLLM parsers as a
+native turn (``model.tool_parser``, ``model.reasoning_parser``;
+``rlnode/actor/parsing.py``) and answered as ``vllm serve`` answers:
+``tool_calls`` when the request offered tools (and ``tool_choice`` is not
+"none"), ``reasoning`` (and ``reasoning_content``) beside the content.
+
+Owns: sessions, request validation, prompt construction, the reply's shape,
 streaming. Must not decide rewards or retries (``agent_episode.py`` and the
 scheduler do).
 
-Modules: ``api.py`` (request, errors, messages, tool calls, response bodies),
+Modules: ``api.py`` (request, errors, messages, response bodies),
 ``session.py`` (an episode's keys, served calls and history matching),
 ``stream.py`` (server-sent events), ``server.py`` (``Gateway``: routes and
 handlers).
 """
 
 from rlnode.actor.gateway.api import (
-    MAX_REQUEST_BYTES, TOKENIZE_INLINE_CHARS, TOOL_OPEN, ChatRequest, GatewayError, split_tool_calls, template_message,
+    MAX_REQUEST_BYTES, TOKENIZE_INLINE_CHARS, ChatRequest, GatewayError, template_message,
 )
 from rlnode.actor.gateway.server import Gateway
 from rlnode.actor.gateway.session import GatewaySession, GatewayStats, ServedCall
 from rlnode.actor.gateway.stream import _stream_safe  # noqa: F401 - tested directly
 
 __all__ = [
-    "MAX_REQUEST_BYTES", "TOKENIZE_INLINE_CHARS", "TOOL_OPEN", "ChatRequest", "Gateway", "GatewayError",
-    "GatewaySession", "GatewayStats", "ServedCall", "split_tool_calls", "template_message",
+    "MAX_REQUEST_BYTES", "TOKENIZE_INLINE_CHARS", "ChatRequest", "Gateway", "GatewayError",
+    "GatewaySession", "GatewayStats", "ServedCall", "template_message",
 ]

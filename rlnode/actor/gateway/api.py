@@ -1,6 +1,7 @@
 """The OpenAI API shapes the gateway speaks: the request it honours, its
-errors, messages as the chat template renders them, tool calls parsed out of
-a completion, and the response bodies. No state and no engine here."""
+errors, messages as the chat template renders them, and the response bodies
+(tool calls and reasoning as vLLM's parsers read them, ``parsing.py``). No
+state and no engine here."""
 
 from __future__ import annotations
 
@@ -10,11 +11,9 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from rlnode.actor.episode import parse_action
 from rlnode.actor.generation import Generation
 from rlnode.cubes.base import ToolCall
 
-TOOL_OPEN = "<tool_call>"
 # Long agent histories (tool outputs, documents) outgrow aiohttp's 1 MiB default.
 MAX_REQUEST_BYTES = 64 * 2**20
 # New message text above this many characters is tokenized in a thread.
@@ -111,20 +110,6 @@ def template_message(m: Any, i: int) -> dict[str, Any]:
     return out
 
 
-def split_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
-    """Content and tool calls of a completion (Hermes ``<tool_call>`` markup).
-    The content is the text before the first call plus whatever is left
-    after the calls, so a stream of the text before the first call is always
-    a prefix of it. A malformed call leaves the whole text as content."""
-    at = text.find(TOOL_OPEN)
-    if at < 0:
-        return text, []
-    action = parse_action(text[at:])
-    if action.parse_error or not action.tool_calls:
-        return text, []
-    return text[:at] + action.text, action.tool_calls
-
-
 class EnvStep(msgspec.Struct):
     tool: str = ""
     arguments: dict[str, Any] = {}
@@ -146,13 +131,23 @@ async def read_body(request: web.Request, cls: type):
         raise GatewayError(400, f"request body is not JSON: {e}") from e
 
 
-def openai_message(reply: dict[str, Any], calls: list[ToolCall], step: int) -> dict[str, Any]:
+def openai_message(reply: dict[str, Any], calls: list[ToolCall], step: int,
+                   reasoning: str | None = None) -> dict[str, Any]:
     msg: dict[str, Any] = {"role": "assistant", "content": reply["content"] if reply["content"] or not calls else None}
+    if reasoning is not None:
+        msg.update(reasoning_delta(reasoning))
     if calls:
         msg["tool_calls"] = [{"id": f"call_{step}_{i}", "type": "function",
                               "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
                              for i, c in enumerate(calls)]
     return msg
+
+
+def reasoning_delta(reasoning: str) -> dict[str, str]:
+    """The reasoning fields of a message or chunk: ``reasoning`` is what
+    ``vllm serve`` 0.26-0.32 returns, ``reasoning_content`` the older name
+    that DeepSeek's API and many clients read."""
+    return {"reasoning": reasoning, "reasoning_content": reasoning}
 
 
 def usage(prompt: list[int], gen: Generation) -> dict[str, int]:

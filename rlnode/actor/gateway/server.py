@@ -18,7 +18,7 @@ from rlnode.actor.engine import EngineError, SamplingSettings
 from rlnode.actor.episode import ChatRenderer, EpisodeSettings, request_seed
 from rlnode.actor.gateway.api import (
     MAX_REQUEST_BYTES, TOKENIZE_INLINE_CHARS, ChatRequest, EnvReward, EnvStep, GatewayError, dumps, openai_message,
-    read_body, split_tool_calls, template_message, usage,
+    read_body, template_message, usage,
 )
 from rlnode.actor.gateway.session import GatewaySession, GatewayStats, ServedCall
 from rlnode.actor.gateway.stream import stream_completion
@@ -186,12 +186,12 @@ class Gateway:
             return await stream_completion(self, request, s, req, messages, tools, tools_on, prompt, sampling, step,
                                            version, reset)
         gen = await self._generate(s, prompt, sampling)
-        reply, finish, calls = self._reply(s, gen, step, tools_on)
+        reply, finish, calls, reasoning = self._reply(gen, tools if tools_on else None, prompt)
         self._record(s, messages, tools, prompt, gen, step, version, temperature, reset, reply)
         body = {
             "id": f"chatcmpl-{s.episode_id}-{step}", "object": "chat.completion", "created": int(time.time()),
             "model": self.model_name,
-            "choices": [{"index": 0, "message": openai_message(reply, calls, step), "finish_reason": finish,
+            "choices": [{"index": 0, "message": openai_message(reply, calls, step, reasoning), "finish_reason": finish,
                          "logprobs": None}],
             "usage": usage(prompt, gen),
         }
@@ -216,17 +216,24 @@ class Gateway:
         s._engine = gen.lease.engine_id
         return gen
 
-    def _reply(self, s: GatewaySession, gen: Generation, step: int,
-               tools_on: bool) -> tuple[dict[str, Any], str, list[ToolCall]]:
-        ids = gen.completion.token_ids
-        text = self.renderer.decode(ids[:-1] if ids and ids[-1] == self.renderer.eos_id else ids)
-        content, calls = split_tool_calls(text) if tools_on else (text, [])
+    def _reply(self, gen: Generation, tools: list[dict[str, Any]] | None,
+               prompt: list[int]) -> tuple[dict[str, Any], str, list[ToolCall], str | None]:
+        """(the reply as the template renders it, finish reason, tool calls,
+        reasoning) of a completion, read by model.tool_parser and
+        model.reasoning_parser; ``tools``: those offered (None: no call is
+        read; one vLLM cannot read stays in the content, as vllm serve
+        answers). The reply is what a re-sent history is matched against, so
+        it holds no reasoning: the agent sends back content and calls."""
+        comp = gen.completion
+        text = self.renderer.completion_text(comp.token_ids, comp.finish_reason)
+        parsed = self.renderer.parser.parse(text, tools, output_ids=comp.token_ids, prompt_ids=prompt)
+        content, calls = parsed.content, parsed.tool_calls
         reply: dict[str, Any] = {"role": "assistant", "content": content}
         if calls:
             reply["tool_calls"] = [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
                                    for c in calls]
-        finish = "tool_calls" if calls else ("length" if gen.completion.finish_reason == "length" else "stop")
-        return reply, finish, calls
+        finish = "tool_calls" if calls else ("length" if comp.finish_reason == "length" else "stop")
+        return reply, finish, calls, parsed.reasoning
 
     def _record(self, s, messages, tools, prompt, gen, step, version, temperature, reset, reply) -> None:
         s.calls.append(ServedCall(step, prompt, gen, version, temperature, reset))

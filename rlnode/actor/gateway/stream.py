@@ -1,6 +1,9 @@
 """Streaming a completion as server-sent events in OpenAI's chunk format:
-content as the engine produces it (decoded incrementally, never a partial
-tool-call tag or half a character), tool calls whole at the end."""
+content as the engine produces it where the output parsers promise that it
+stays a prefix of the final content (decoded incrementally, never a partial
+tool-call tag or half a character; ``CompletionParser.stream_prefix``),
+the rest, the reasoning and the tool calls whole at the end, as the
+non-streamed answer has them."""
 
 from __future__ import annotations
 
@@ -12,32 +15,26 @@ from typing import Any
 from aiohttp import web
 
 from rlnode.actor.episode import ChatRenderer
-from rlnode.actor.gateway.api import TOOL_OPEN, GatewayError, openai_message, usage
+from rlnode.actor.gateway.api import GatewayError, openai_message, reasoning_delta, usage
+from rlnode.actor.parsing import CompletionParser
 from rlnode.log import get_logger
 
 log = get_logger("rlnode.gateway")
 
 
-def _stream_safe(text: str, tools_on: bool) -> str:
+def _stream_safe(text: str, tools_on: bool, parser: CompletionParser) -> str:
     """The part of a growing completion that can be streamed as content now:
-    never a (possibly partial) tool-call tag, never half a UTF-8 character."""
-    if tools_on:
-        at = text.find(TOOL_OPEN)
-        if at >= 0:
-            text = text[:at]
-        else:
-            for k in range(min(len(TOOL_OPEN) - 1, len(text)), 0, -1):
-                if TOOL_OPEN.startswith(text[-k:]):
-                    text = text[:-k]
-                    break
-    return text.rstrip("\ufffd")
+    what the parsers promise begins the final content, never half a UTF-8
+    character."""
+    return parser.stream_prefix(text, tools_on).rstrip("\ufffd")
 
 
 async def stream_completion(gw, request, s, req, messages, tools, tools_on, prompt, sampling, step,
                             version, reset) -> web.StreamResponse:
     """Server-sent events in OpenAI's chunk format for one call of session
     ``s``, served by gateway ``gw``. Content streams as the engine produces
-    it; tool calls come whole at the end (a partial call cannot be parsed)."""
+    it where the parsers allow; tool calls and reasoning come whole at the
+    end (a partial call cannot be parsed)."""
     latest: list[Any] = [()]
     grew = asyncio.Event()
     text = _IncrementalText(gw.renderer)
@@ -66,7 +63,7 @@ async def stream_completion(gw, request, s, req, messages, tools, tools_on, prom
             await asyncio.wait([gen_task, waiter], return_when=asyncio.FIRST_COMPLETED)
             waiter.cancel()
             grew.clear()
-            safe = _stream_safe(text.update(latest[0]), tools_on)
+            safe = _stream_safe(text.update(latest[0]), tools_on, gw.renderer.parser)
             if len(safe) > len(sent) and safe.startswith(sent):
                 await resp.write(chunk({"content": safe[len(sent):]}))
                 sent = safe
@@ -77,7 +74,9 @@ async def stream_completion(gw, request, s, req, messages, tools, tools_on, prom
             await resp.write(b"data: " + json.dumps({"error": {"message": e.message, "type": e.type,
                                                                  "code": e.code}}).encode() + b"\n\n")
             return resp
-        reply, finish, calls = gw._reply(s, gen, step, tools_on)
+        reply, finish, calls, reasoning = gw._reply(gen, tools if tools_on else None, prompt)
+        if reasoning is not None:  # never streamed early (see _stream_safe), so it precedes all content
+            await resp.write(chunk(reasoning_delta(reasoning)))
         content = reply["content"]
         if not content.startswith(sent):  # cannot happen with a prefix-stable decode; keep parity honest
             log.warning("gateway.stream_diverged", episode=s.episode_id, step=step)
