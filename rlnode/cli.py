@@ -2,6 +2,7 @@
 
     rlnode --role {trainer,actor,all} --config FILE [--set k.p=v ...] [--peers H:P,...]
     rlnode tiny-model OUT_DIR [--arch ...] [--tie-embeddings] [--seed N] [--layers N --hidden N]
+    rlnode pretrained smollm2-135m OUT_DIR [--dtype float32] [--if-missing]
     rlnode bench NAME [--config FILE] [--set ...] [--json]
     rlnode check --config FILE [--for-role R] [--gpus N] [--json]
     rlnode keygen DIR --actor NODE_ID [--actor NODE_ID ...]
@@ -65,6 +66,14 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a real model's shapes (and vocabulary size) with random bf16 weights, for GPU "
                     "benchmarks; overrides --arch/--layers/--hidden/--tie-embeddings")
     tm.add_argument("--if-missing", action="store_true", help="do nothing if OUT_DIR already holds a model")
+
+    pt = sub.add_parser("pretrained", help="write a pretrained model folder from a package (offline; "
+                        "the `pretrained` extra)")
+    pt.add_argument("name", metavar="NAME", help="model to build: smollm2-135m")
+    pt.add_argument("out_dir", metavar="OUT_DIR")
+    pt.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="weights dtype (default float32: exact engine/trainer logprob parity on CPU)")
+    pt.add_argument("--if-missing", action="store_true", help="do nothing if OUT_DIR already holds a model")
 
     ev = sub.add_parser("eval", help="score a model on the test split of the configured cubes (no trainer)")
     _add_config_args(ev)
@@ -177,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.command == "tiny-model":
         return _cmd_tiny_model(args)
+    if args.command == "pretrained":
+        return _cmd_pretrained(args)
     if args.command == "status":
         import asyncio
 
@@ -245,6 +256,27 @@ def _cmd_tiny_model(args) -> int:
         print(f"wrote a random {args.preset}-shaped model to {out}")
         return 0
     print(f"wrote {args.arch} tiny model ({'tied' if args.tie_embeddings else 'untied'} embeddings) to {out}")
+    return 0
+
+
+def _cmd_pretrained(args) -> int:
+    from pathlib import Path
+
+    from rlnode.pretrained import SOURCES, build_pretrained
+
+    if args.name not in SOURCES:
+        print(f"rlnode pretrained: unknown model {args.name!r}; known: {', '.join(sorted(SOURCES))}", file=sys.stderr)
+        return 2
+    out = Path(args.out_dir)
+    if args.if_missing and (out / "config.json").exists():
+        print(f"{args.name} already at {out}")
+        return 0
+    try:
+        build_pretrained(args.name, out, dtype=args.dtype)
+    except (FileNotFoundError, ModuleNotFoundError) as e:
+        print(f"rlnode pretrained: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.name} ({SOURCES[args.name].about}) to {out}")
     return 0
 
 

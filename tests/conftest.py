@@ -108,6 +108,23 @@ def tiny_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory):
+    """SmolLM2-135M-Instruct as ``rlnode pretrained`` writes it: a real BPE
+    tokenizer, ChatML template, tied embeddings (540 MB in fp32). ``make
+    test`` builds it once into runs/smollm2-135m; elsewhere the session
+    builds it (20 s) into its temporary directory."""
+    built = ROOT / "runs" / "smollm2-135m"
+    if (built / "config.json").exists():
+        return built
+    from rlnode.pretrained import build_pretrained
+
+    try:
+        return build_pretrained("smollm2-135m", tmp_path_factory.mktemp("smollm2") / "model")
+    except (FileNotFoundError, ModuleNotFoundError) as e:
+        skip_or_fail(f"cannot build the real test model: {e}")
+
+
+@pytest.fixture(scope="session")
 def engine_config():
     from rlnode.config import EngineConfig
 

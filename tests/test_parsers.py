@@ -34,7 +34,6 @@ from rlnode.cubes.registry import make_cube
 
 CASES = json.loads((Path(__file__).parent / "data" / "tool_calls" / "cases.json").read_text())["cases"]
 SETTINGS = EpisodeSettings(SamplingSettings(max_tokens=64), max_turns=4, max_model_len=2048)
-SMOLLM2 = ROOT / "runs" / "smollm2-135m"
 
 
 def case_id(case) -> str:
@@ -56,13 +55,6 @@ def tok(tiny_model_dir):
     t.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]", "<|python_tag|>"]})
     t.add_tokens(["<think>", "</think>"])
     return t
-
-
-@pytest.fixture(scope="module")
-def smollm2_dir():
-    if not (SMOLLM2 / "tokenizer.json").is_file():
-        pytest.skip(f"{SMOLLM2} is not here (rlnode pretrained smollm2-135m)")
-    return SMOLLM2
 
 
 class ScriptedClient:
