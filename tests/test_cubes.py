@@ -108,6 +108,22 @@ async def test_arithmetic_submit_answer_and_disjoint_splits():
     assert (await task.evaluate()).success
 
 
+async def test_arithmetic_in_text_scores_the_replys_first_number():
+    """answer_mode = "text": no tools; the first number of the reply is the
+    answer, so restating the question first ("8 - 9 = -1") answers 8."""
+    tool = make_cube("a", "arithmetic", {"max_operand": 9, "ops": ["-"]}, seed=5)
+    cube = make_cube("a", "arithmetic", {"max_operand": 9, "ops": ["-"], "answer_mode": "text"}, seed=5)
+    tid = (await cube.task_ids("test"))[0]
+    assert cube.problem(tid) == tool.problem(tid)  # the same split, whatever the mode
+    question, answer = cube.problem(tid)
+    task = await cube.open_task(tid)
+    assert task.tools() == [] and (await task.reset()).observation == f"What is {question}? Reply with the number only."
+    r = await task.step(act(f"{answer}"))
+    assert r.done and r.reward == 1.0 and (await task.evaluate()).success
+    restated = await (await cube.open_task(tid)).step(act(f"{question} = {answer}"))
+    assert restated.done and restated.reward == float(int(question.split()[0]) == answer)
+
+
 async def test_jsonl_single_file_split_and_scoring(tmp_path):
     f = tmp_path / "qa.jsonl"
     rows = [{"question": f"capital #{i}?", "answer": "Paris" if i % 2 else 3.5, "id": f"q{i}"} for i in range(200)]

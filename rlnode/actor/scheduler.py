@@ -97,9 +97,15 @@ class CubeStats(msgspec.Struct):
     turns_sum: int = 0
     groups: int = 0  # complete groups emitted
     groups_dropped: int = 0  # groups lost to a failed episode
+    llm_calls: int = 0  # LLM calls of completed episodes
+    # Of them, replies cut by max_tokens or the context (finish_reason
+    # "length"): a high share means the budget, not the policy, ends replies.
+    length_cut: int = 0
 
     def record(self, ep: EpisodeResult) -> None:
         self.episodes += 1
+        self.llm_calls += len(ep.samples)
+        self.length_cut += sum(s.finish_reason == "length" for s in ep.samples)
         self.successes += ep.success
         self.agent_errors += ep.agent_errors
         self.reward_sum += ep.reward
@@ -120,7 +126,9 @@ class CubeStats(msgspec.Struct):
     def summary(self) -> dict:
         return {"episodes": self.episodes, "success_rate": self.success_rate, "reward_mean": self.reward_mean,
                 "turns_mean": self.turns_mean, "errors": self.errors, "retries": self.retries,
-                "agent_errors": self.agent_errors, "groups": self.groups, "groups_dropped": self.groups_dropped}
+                "agent_errors": self.agent_errors, "groups": self.groups, "groups_dropped": self.groups_dropped,
+                "llm_calls": self.llm_calls, "length_cut": self.length_cut,
+                "length_cut_fraction": self.length_cut / self.llm_calls if self.llm_calls else 0.0}
 
 
 class Group(msgspec.Struct):

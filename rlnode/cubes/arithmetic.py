@@ -1,4 +1,9 @@
-"""``arithmetic``: a question answered through the ``submit_answer`` tool.
+"""``arithmetic``: a question answered through the ``submit_answer`` tool,
+or, with ``answer_mode = "text"``, in the reply itself (its first number is
+the answer: a model that writes "7 + 5 = 12" answers 7). Text mode needs no
+tool format, so it suits a pretrained model whose chat template has none
+(SmolLM2's), and its success starts where the model's habit of restating the
+question leaves it.
 
 Problems ``a OP b`` are enumerated from the operand range, shuffled with the
 seed and cut into disjoint train and test sets, so no test question is ever
@@ -9,12 +14,13 @@ from __future__ import annotations
 
 import itertools
 import operator
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 from msgspec import Meta
 
 from rlnode.cubes.base import Cube, CubeTask, CubeTaskRef, Reset, Split
+from rlnode.cubes.jsonl import TextAnswerTask
 from rlnode.cubes.tasks import SubmitAnswerTask, split_index, task_rng
 
 OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
@@ -29,6 +35,9 @@ class ArithmeticOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     test_fraction: Annotated[float, Meta(gt=0, lt=1)] = 0.2
     # Cap on the test split size (the rest of the held-out share is unused).
     max_test_tasks: Annotated[int, Meta(ge=1)] = 200
+    # "tool": the answer goes through submit_answer; "text": the reply's
+    # first number is the answer (one turn, no tools).
+    answer_mode: Literal["tool", "text"] = "tool"
 
     def __post_init__(self):
         bad = [o for o in self.ops if o not in OPS]
@@ -39,6 +48,11 @@ class ArithmeticOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
 class ArithmeticTask(SubmitAnswerTask):
     async def reset(self) -> Reset:
         return Reset(observation=f"What is {self.question}? Answer with the submit_answer tool.")
+
+
+class ArithmeticTextTask(TextAnswerTask):
+    async def reset(self) -> Reset:
+        return Reset(observation=f"What is {self.question}? Reply with the number only.")
 
 
 class ArithmeticCube(Cube):
@@ -63,4 +77,5 @@ class ArithmeticCube(Cube):
 
     async def open_task(self, task_id: str) -> CubeTask:
         question, answer = self.problem(task_id)
-        return ArithmeticTask(CubeTaskRef(self.cube_id, task_id), question, answer, match="numeric")
+        cls = ArithmeticTextTask if self.opts.answer_mode == "text" else ArithmeticTask
+        return cls(CubeTaskRef(self.cube_id, task_id), question, answer, match="numeric")

@@ -278,6 +278,10 @@ class TrainerDaemon:
             "reward_mean": statistics.fmean(rewards) if rewards else 0.0,
             "success_mean": statistics.fmean(batch.successes) if batch.successes else 0.0,
             "groups": len(batch.group_ids), "samples": m.samples, "tokens": m.tokens,
+            # Replies max_tokens (or the context) cut short: trained as they
+            # are, flagged per sample (finish_reason "length") and counted here.
+            "length_cut_fraction": (sum(s.finish_reason == "length" for s in batch.samples) / len(batch.samples)
+                                    if batch.samples else 0.0),
             "lag_mean": statistics.fmean(batch.lags) if batch.lags else 0.0,
             "lag_max": max(batch.lags, default=0),
             "dropped_stale": batch.dropped_stale, "zero_signal_groups": batch.zero_signal_groups,
@@ -447,6 +451,8 @@ class TrainerDaemon:
                            ("train_s", "last step compute time"), ("weight_push_s", "last weight update"),
                            ("logprob_diff_mean", "last step mean |engine - trainer| logprob"),
                            ("groups_all_failed", "last step groups in which every episode failed"),
+                           ("length_cut_fraction",
+                            "last step share of samples whose reply max_tokens cut (finish_reason length)"),
                            ("loss/entropy", "last step mean policy entropy per trained token (nats)"),
                            ("loss/entropy_coef",
                             "last step entropy bonus coefficient (trainer.loss.entropy_target moves it)"),
