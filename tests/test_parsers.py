@@ -11,7 +11,6 @@ unknown parser name, a cube with tools on a chat template without them
 
 from __future__ import annotations
 
-import asyncio
 import json
 import textwrap
 from pathlib import Path
@@ -20,17 +19,16 @@ import openai
 import pytest
 
 from daemons import ROOT
-from rlnode.actor.engine import Completion, SamplingSettings
+from rlnode.actor.engine import SamplingSettings
 from rlnode.actor.episode import (
     TEMPLATE_WITH_TOOLS, ChatRenderer, EpisodeSettings, check_tools_rendered, make_renderer, parse_action, run_episode,
 )
 from rlnode.actor.gateway import Gateway
-from rlnode.actor.generation import Generation
 from rlnode.actor.parsing import CompletionParser, check_parser_names
-from rlnode.actor.router import LeaseMetadata
 from rlnode.config import ConfigError, ModelConfig, load_config
 from rlnode.cubes.base import Action, CubeTask, CubeTaskRef, Evaluation, Reset, StepResult, ToolCall, ToolSpec
 from rlnode.cubes.registry import make_cube
+from test_examples_agents import ScriptedPolicy  # scripted replies, streamed token by token
 
 CASES = json.loads((Path(__file__).parent / "data" / "tool_calls" / "cases.json").read_text())["cases"]
 SETTINGS = EpisodeSettings(SamplingSettings(max_tokens=64), max_turns=4, max_model_len=2048)
@@ -55,22 +53,6 @@ def tok(tiny_model_dir):
     t.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]", "<|python_tag|>"]})
     t.add_tokens(["<think>", "</think>"])
     return t
-
-
-class ScriptedClient:
-    """A stand-in for ``LLMClient``: each call returns the next text,
-    tokenised, ending in the end-of-turn token, streamed token by token."""
-
-    def __init__(self, tokenizer, texts: list[str]):
-        self.tok, self.texts = tokenizer, list(texts)
-
-    async def generate(self, prompt_token_ids, sampling, affinity=None, on_tokens=None) -> Generation:
-        ids = self.tok.encode(self.texts.pop(0), add_special_tokens=False) + [self.tok.eos_token_id]
-        if on_tokens is not None:
-            for k in range(1, len(ids) + 1):
-                on_tokens(ids[:k])
-                await asyncio.sleep(0)
-        return Generation(Completion(ids, [-1.0] * len(ids), "stop"), LeaseMetadata(0, 0, 0.0, 0.0))
 
 
 class RecordingTask(CubeTask):
@@ -105,7 +87,7 @@ async def test_native_loop_reads_the_models_format(tok, case):
     """run_episode decodes the completion (its end-of-turn token dropped),
     and the cube gets the content, the calls and any parse error."""
     task = RecordingTask([ToolSpec(**t["function"]) for t in case["tools"]])
-    result = await run_episode(ScriptedClient(tok, [case["text"]]), renderer_for(tok, case), task, SETTINGS, "ep", "g")
+    result = await run_episode(ScriptedPolicy(tok, [case["text"]]), renderer_for(tok, case), task, SETTINGS, "ep", "g")
     (action,) = task.actions
     assert action.tool_calls == expected_calls(case)
     assert action.text == case["content"].strip()
@@ -135,7 +117,7 @@ async def test_gateway_answers_as_vllm_serve(tok, case):
     """The openai SDK gets tool_calls, content and reasoning (``reasoning``
     as vllm serve 0.26-0.32 names it, and ``reasoning_content``); a stream
     adds up to the same message."""
-    gw = Gateway(ScriptedClient(tok, [case["text"]] * 2), renderer_for(tok, case), SETTINGS, model_name="m")
+    gw = Gateway(ScriptedPolicy(tok, [case["text"]] * 2), renderer_for(tok, case), SETTINGS, model_name="m")
     messages = [{"role": "user", "content": "What now?"}]
     async with gw.serve(), gw.session("ep") as s:
         client = openai.AsyncOpenAI(base_url=s.endpoint.base_url, api_key=s.endpoint.api_key, max_retries=0)
