@@ -91,28 +91,20 @@ max_turns = 8
 max_concurrent_episodes = {both}
 eval_episodes = {episodes}
 
+"""
+CUBE = """
 [[actor.cubes]]
-id = "reverse-text"
+id = "{id}"
 kind = "verifiers"
 [actor.cubes.options]
-env = "reverse_text"
-num_train = 1
-num_test = 64
-timeout_s = {timeout_s}
-[actor.cubes.options.env_args.agent.runtime]
-type = "subprocess"
-
-[[actor.cubes]]
-id = "alphabet-sort"
-kind = "verifiers"
-[actor.cubes.options]
-env = "alphabet_sort"
+env = "{env}"
 num_train = 1
 num_test = 64
 timeout_s = {timeout_s}
 [actor.cubes.options.env_args.agent.runtime]
 type = "subprocess"
 """
+ENVS = {"reverse-text": "reverse_text", "alphabet-sort": "alphabet_sort"}
 
 
 def main() -> int:
@@ -127,15 +119,15 @@ def main() -> int:
     args = p.parse_args()
     py = sys.executable
     if not args.no_install:
-        envs = [str(args.verifiers / "environments" / n) for n in ("reverse_text", "alphabet_sort")]
+        envs = [str(args.verifiers / "environments" / n) for n in ENVS.values()]
         subprocess.run([py, "-m", "pip", "install", "-q", "--no-deps", *envs], check=True)
         subprocess.run([py, "-m", "pip", "install", "-q", "datasets"], check=True)
     args.workdir.mkdir(parents=True, exist_ok=True)
     write_datasets(args.workdir)
     conf = args.workdir / "upstream-vf.toml"
     conf.write_text(CONFIG.format(workdir=args.workdir.resolve(), model=args.model.resolve(),
-                                  episodes=args.episodes, both=2 * args.episodes, max_tokens=args.max_tokens,
-                                  timeout_s=args.timeout_s))
+                                  episodes=args.episodes, both=2 * args.episodes, max_tokens=args.max_tokens)
+                    + "".join(CUBE.format(id=cid, env=env, timeout_s=args.timeout_s) for cid, env in ENVS.items()))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "ERROR"}
     rlnode = str(Path(py).parent / "rlnode")
     done = subprocess.run([rlnode, "--log-level", "warning", "eval", "--config", str(conf),

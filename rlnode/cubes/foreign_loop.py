@@ -29,8 +29,7 @@ Deadlines. ``run`` is cancelled by its caller's deadline (the cube's
 the foreign loop and waits up to ``cancel_grace_s`` for it to unwind. An
 episode that ignores cancellation is left behind (counted in ``abandoned``,
 logged) and the loop serves every other episode. Code that blocks the thread
-itself (``time.sleep``) stalls every foreign episode until it returns;
-``lag_s`` measures how late the loop answers, for the status page.
+itself (``time.sleep``) stalls every foreign episode until it returns.
 
 The loop is a plain ``asyncio.SelectorEventLoop`` whatever policy the daemon
 installed (uvloop's handles re-raise these exceptions differently).
@@ -45,7 +44,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import threading
-import time
 from typing import Any, Awaitable, Callable, TypeVar
 
 from rlnode.cubes.base import CubeError
@@ -69,7 +67,6 @@ class ForeignLoop:
         self.completed = 0  # coroutines finished, whatever their outcome
         self.escapes = 0  # SystemExit / KeyboardInterrupt that stopped run_forever and were contained
         self.abandoned = 0  # cancelled coroutines still running after their grace
-        self._closing = False
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
 
@@ -84,7 +81,7 @@ class ForeignLoop:
 
     def _serve(self) -> None:
         asyncio.set_event_loop(self.loop)
-        while True:
+        while True:  # the process's lifetime: nothing stops this loop
             try:
                 self.loop.run_forever()
             except (SystemExit, KeyboardInterrupt) as e:
@@ -92,22 +89,8 @@ class ForeignLoop:
                 # exception. Keep serving every other task.
                 self.escapes += 1
                 log.warning("foreign_loop.contained", error=type(e).__name__, message=str(e)[:200])
-                continue
             except BaseException:  # noqa: BLE001 - a bug in the loop itself: logged, the loop runs on
                 log.exception("foreign_loop.error")
-                if not self._closing:
-                    continue
-            if self._closing:
-                break
-        with contextlib.suppress(Exception):
-            self.loop.close()
-
-    def close(self, timeout_s: float = 5.0) -> None:
-        """Stop the loop (tests; a daemon keeps it for its lifetime)."""
-        self._closing = True
-        with contextlib.suppress(RuntimeError):
-            self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(timeout_s)
 
     # -- the caller's side ---------------------------------------------------
 
@@ -162,18 +145,6 @@ class ForeignLoop:
         if isinstance(value, Exception):
             raise value
         raise CubeError(f"{what}: the environment raised {type(value).__name__}: {value}") from value
-
-    async def lag_s(self, timeout_s: float = 5.0) -> float:
-        """Seconds the loop took to run a callback posted now (``timeout_s``
-        when it did not within that: the thread is blocked)."""
-        t0 = time.monotonic()
-        pong: concurrent.futures.Future = concurrent.futures.Future()
-        self.loop.call_soon_threadsafe(pong.set_result, None)
-        try:
-            await asyncio.wait_for(asyncio.wrap_future(pong), timeout_s)
-        except TimeoutError:
-            return timeout_s
-        return time.monotonic() - t0
 
     def stats(self) -> dict[str, int]:
         return {"running": self.running, "completed": self.completed, "escapes": self.escapes,
