@@ -1,16 +1,19 @@
 """rlnode.link.validate: each content rule of a delivered group, at unit
 level, with its boundary values (no sockets, no model)."""
 
+import asyncio
 import math
+import time
 
 import msgspec
 import pytest
 
-from rlnode.bench.fuzz import FrameMaker
-from rlnode.config import ConfigError, load_config
+from rlnode.bench.fuzz import FrameMaker, FuzzPeer
+from rlnode.config import ConfigError, LinkConfig, load_config
+from rlnode.link import TrainerLink
 from rlnode.link import validate as V
 from rlnode.link.validate import GroupLimits, check_sample, validate_group
-from rlnode.wire import GroupDelivery, pack_f32, pack_i32
+from rlnode.wire import REJECT_INVALID_GROUP, GroupDelivery, pack_f32, pack_i32
 
 LIMITS = GroupLimits(attempts=3, vocab_size=100, max_model_len=32, max_samples=6, max_version_ahead=5)
 
@@ -65,6 +68,87 @@ def test_rewards_must_be_finite_and_agree():
     g = group()
     g.samples[2].reward = g.episodes[2].reward + 1
     assert validate_group(g, LIMITS, 2)[0] == V.R_REWARD
+
+
+
+def set_reward(g: GroupDelivery, i: int, reward: float) -> None:
+    """Episode ``i`` and its sample (one per episode in these groups) get ``reward``."""
+    g.episodes[i].reward = g.samples[i].reward = reward
+
+
+def test_rewards_are_bounded_by_the_actors_max_abs_reward():
+    """actor.episode.max_abs_reward (default 1000): the bound the actors
+    fail an episode at is the one the trainer rejects a group at, so a
+    forged reward of 1e30 never becomes the step."""
+    bound = LIMITS.max_abs_reward
+    assert bound == 1000.0
+    g = group()
+    set_reward(g, 0, bound)
+    set_reward(g, 1, -bound)  # exactly at the bound, both signs: fine
+    assert validate_group(g, LIMITS, 2) is None
+    for r in (1e30, -1e30, -(bound + 1), math.nextafter(bound, math.inf)):
+        g = group()
+        g.episodes[1].reward = r
+        assert validate_group(g, LIMITS, 2) == (
+            V.R_REWARD_BOUND, f"episode {g.episodes[1].episode_id!r} reward {r!r} outside [-1000, 1000] "
+                              "(actor.episode.max_abs_reward)")
+        set_reward(g, 1, r)  # the sample agrees with its episode: still the episode's bound
+        assert validate_group(g, LIMITS, 2)[0] == V.R_REWARD_BOUND
+        assert validate_group(g, None) is None  # a bare link has no config: finiteness only
+    # A sample's reward beyond the bound is named as such (not as a mismatch with its episode).
+    g = group()
+    g.samples[2].reward = 1e30
+    assert validate_group(g, LIMITS, 2) == (
+        V.R_REWARD_BOUND, f"sample {g.samples[2].sample_id!r} reward 1e+30 outside [-1000, 1000] "
+                          "(actor.episode.max_abs_reward)")
+    assert check_sample(g.samples[2], LIMITS)[0] == V.R_REWARD_BOUND
+    assert check_sample(g.samples[2], None) is None
+    # Not finite stays R_REWARD.
+    for r in (math.inf, -math.inf, math.nan):
+        g = group()
+        set_reward(g, 0, r)
+        assert validate_group(g, LIMITS, 2)[0] == V.R_REWARD
+        assert check_sample(g.samples[0], LIMITS)[0] == V.R_REWARD
+
+
+def test_the_reward_bound_is_the_actors_config_key():
+    cfg = load_config(None, ["actor.episode.max_abs_reward=5"])
+    limits = GroupLimits.from_config(cfg, vocab_size=100)
+    assert limits.max_abs_reward == 5.0
+    assert GroupLimits.from_config(load_config(None, []), 100).max_abs_reward == 1000.0
+    g = FrameMaker(limits, "n1").valid_group(2)
+    set_reward(g, 0, -5.0)
+    assert validate_group(g, limits, 2) is None
+    set_reward(g, 0, 5.5)
+    assert validate_group(g, limits, 2) == (
+        V.R_REWARD_BOUND, f"episode {g.episodes[0].episode_id!r} reward 5.5 outside [-5, 5] "
+                          "(actor.episode.max_abs_reward)")
+
+
+async def test_a_trainer_link_rejects_a_reward_beyond_the_bound_and_counts_it_by_reason():
+    """Over real sockets: the trainer link rejects the hostile group for
+    good (Reject, counted under its reason), accepts the honest one."""
+    link = TrainerLink("tcp://127.0.0.1:*", LinkConfig(heartbeat_s=0.1, peer_timeout_s=5.0), limits=LIMITS)
+    await link.start()
+    peer = FuzzPeer(link.endpoint)
+    try:
+        await peer.start()
+        maker = FrameMaker(LIMITS, peer.node_id)
+        hostile, honest = maker.valid_group(0), maker.valid_group(0)
+        set_reward(hostile, 0, 1e30)
+        for g in (hostile, honest):
+            await peer.send([msgspec.msgpack.encode(g)])
+        deadline = time.monotonic() + 10
+        while hostile.group_id not in peer.rejected or link.counters.groups_accepted < 1:
+            assert time.monotonic() < deadline, "no reject / accept"
+            await asyncio.sleep(0.05)
+        assert peer.rejected[hostile.group_id] == REJECT_INVALID_GROUP
+        assert link.counters.invalid_by_reason == {V.R_REWARD_BOUND: 1}
+        assert link.counters.invalid_groups == 1 and link.counters.groups_accepted == 1
+        assert (await link.next_delivery())[1].group_id == honest.group_id
+    finally:
+        await peer.close()
+        await link.close()
 
 
 def test_sizes():

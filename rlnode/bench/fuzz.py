@@ -133,6 +133,14 @@ class FrameMaker:
                     g.episodes[0].reward = bad
                 else:  # a sample's reward differs from its episode's
                     s0.reward = s0.reward + 0.5 if r.random() < 0.5 else bad
+            case V.R_REWARD_BOUND:  # finite, beyond the actors' actor.episode.max_abs_reward
+                bound = lim.max_abs_reward
+                huge = max(1e30, 2 * bound)
+                bad = r.choice([huge, -huge, math.nextafter(bound, math.inf), -math.nextafter(bound, math.inf)])
+                if r.random() < 0.5:
+                    g.episodes[0].reward = bad
+                else:
+                    s0.reward = bad
             case V.R_ARRAY_LENGTH:
                 which = r.randrange(3)
                 if which == 0:

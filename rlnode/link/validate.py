@@ -3,7 +3,8 @@
 Owns: what a well-formed group *means* beyond what msgspec's typed decoding
 already guarantees (field types, the tag): every sample belongs to a listed
 episode and every episode has samples, the group is exactly ``attempts``
-episodes, rewards and logprobs are finite, token ids index the model's
+episodes, rewards and logprobs are finite, rewards are within the actors'
+bound (``actor.episode.max_abs_reward``), token ids index the model's
 vocabulary, arrays have the lengths they claim, temperatures are ones the
 engine can sample at, sizes and versions are bounded. A group that fails
 can never become valid, so the trainer rejects it once and marks it
@@ -23,7 +24,7 @@ import math
 import msgspec
 import numpy as np
 
-from rlnode.config import VLLM_SAMPLING_EPS
+from rlnode.config import VLLM_SAMPLING_EPS, EpisodeConfig
 from rlnode.wire import GroupDelivery, TrainingSample, span_version
 
 # Below this vLLM samples greedily: no sample can carry it (a configured
@@ -46,6 +47,7 @@ R_UNKNOWN_EPISODE = "unknown_episode"  # sample.episode_id not among the episode
 R_DUPLICATE_SAMPLE = "duplicate_sample"  # sample id, or (episode, step_index), twice
 R_TOO_MANY_SAMPLES = "too_many_samples"
 R_REWARD = "reward"  # non-finite episode or sample reward, or a sample's != its episode's
+R_REWARD_BOUND = "reward_bound"  # a finite reward beyond +-actor.episode.max_abs_reward
 R_ARRAY_LENGTH = "array_length"  # token arrays not int32; logprob / mask lengths
 R_EMPTY_SEQUENCE = "empty_sequence"  # no prompt or no completion token
 R_TOO_LONG = "too_long"  # prompt + completion > max_model_len
@@ -56,8 +58,8 @@ R_TEMPERATURE = "temperature"  # non-finite, or outside [min_temperature, temper
 R_VERSION = "version"  # negative, or ahead of the trainer by more than max_version_ahead
 
 REASONS = (R_EMPTY, R_EPISODE_COUNT, R_DUPLICATE_EPISODE, R_EPISODE_WITHOUT_SAMPLES, R_FOREIGN_SAMPLE,
-           R_UNKNOWN_EPISODE, R_DUPLICATE_SAMPLE, R_TOO_MANY_SAMPLES, R_REWARD, R_ARRAY_LENGTH, R_EMPTY_SEQUENCE,
-           R_TOO_LONG, R_TOKEN_ID, R_LOGPROB, R_MASK, R_TEMPERATURE, R_VERSION)
+           R_UNKNOWN_EPISODE, R_DUPLICATE_SAMPLE, R_TOO_MANY_SAMPLES, R_REWARD, R_REWARD_BOUND, R_ARRAY_LENGTH,
+           R_EMPTY_SEQUENCE, R_TOO_LONG, R_TOKEN_ID, R_LOGPROB, R_MASK, R_TEMPERATURE, R_VERSION)
 
 Invalid = tuple[str, str]  # (reason name, human detail)
 
@@ -82,6 +84,14 @@ class GroupLimits(msgspec.Struct, frozen=True, kw_only=True):
     # (the run's). Scoring at logits / T scales gradients by up to 1/T.
     min_temperature: float = MIN_TEMPERATURE
     max_temperature: float = math.inf
+    # |reward| an episode or sample may carry: the actors' own bound,
+    # actor.episode.max_abs_reward, one key for both sides (an honest actor
+    # fails an episode outside it, so only a forged or broken one delivers
+    # such a group; a trainer configured lower than its actors rejects
+    # their groups as reward_bound, counted). Finiteness alone would let a
+    # reward of 1e30 become the step: it swamps its group's advantages and
+    # the loss. Defaults to the config's default.
+    max_abs_reward: float = EpisodeConfig().max_abs_reward
 
     @classmethod
     def from_config(cls, cfg, vocab_size: int) -> GroupLimits:
@@ -93,14 +103,15 @@ class GroupLimits(msgspec.Struct, frozen=True, kw_only=True):
         return cls(attempts=s.attempts, vocab_size=vocab_size, max_model_len=cfg.model.max_model_len,
                    max_samples=max_samples, max_version_ahead=ahead,
                    min_temperature=cfg.actor.sampling.min_temperature,
-                   max_temperature=cfg.actor.sampling.temperature)
+                   max_temperature=cfg.actor.sampling.temperature,
+                   max_abs_reward=cfg.actor.episode.max_abs_reward)
 
 
 def validate_group(g: GroupDelivery, limits: GroupLimits | None, version: int = 0) -> Invalid | None:
     """None when ``g`` may be accepted at trainer ``version``, else
     ``(reason, detail)``. ``limits=None`` (a bare link, as in link tests)
     checks only what needs no model or config: ids, array shapes, finite
-    values, temperatures."""
+    values (no reward bound), temperatures."""
     if not g.group_id or not g.samples:
         return R_EMPTY, "empty group id or no samples"
     if limits is not None:
@@ -131,14 +142,17 @@ def _check_episodes(g: GroupDelivery, limits: GroupLimits) -> Invalid | None:
     for e in g.episodes:
         if e.episode_id in rewards:
             return R_DUPLICATE_EPISODE, f"episode {e.episode_id!r} listed twice"
-        if not math.isfinite(e.reward):
-            return R_REWARD, f"episode {e.episode_id!r} reward {e.reward!r}"
+        bad = check_reward(f"episode {e.episode_id!r}", e.reward, limits)
+        if bad:
+            return bad
         rewards[e.episode_id] = e.reward
     with_samples: set[str] = set()
     for s in g.samples:
         r = rewards.get(s.episode_id)
         if r is None:
             return R_UNKNOWN_EPISODE, f"sample {s.sample_id!r}: episode {s.episode_id!r} is not in the group"
+        if math.isfinite(s.reward) and (bad := check_reward(f"sample {s.sample_id!r}", s.reward, limits)):
+            return bad  # beyond the bound: named so, not as a mismatch
         if s.reward != r:  # also catches a NaN sample reward
             return R_REWARD, f"sample {s.sample_id!r} reward {s.reward!r} != its episode's {r!r}"
         with_samples.add(s.episode_id)
@@ -169,17 +183,30 @@ def _check_versions(g: GroupDelivery, limits: GroupLimits, version: int) -> Inva
     return None
 
 
+def check_reward(what: str, reward: float, limits: GroupLimits | None) -> Invalid | None:
+    """One episode's or sample's reward: finite (R_REWARD), and within
+    ``limits.max_abs_reward`` (R_REWARD_BOUND; not checked without limits)."""
+    if not math.isfinite(reward):
+        return R_REWARD, f"{what} reward {reward!r}"
+    if limits is not None and abs(reward) > limits.max_abs_reward:
+        bound = limits.max_abs_reward
+        return R_REWARD_BOUND, (f"{what} reward {reward!r} outside [-{bound:g}, {bound:g}] "
+                                "(actor.episode.max_abs_reward)")
+    return None
+
+
 def check_sample(s: TrainingSample, limits: GroupLimits | None) -> Invalid | None:
-    """One sample's arrays and scalars (``limits=None``: no vocabulary or
-    length bounds)."""
+    """One sample's arrays and scalars (``limits=None``: no vocabulary,
+    length or reward bounds)."""
     sid = s.sample_id
     n, rem = divmod(len(s.completion_ids), 4)
     if rem or len(s.prompt_ids) % 4:
         return R_ARRAY_LENGTH, f"sample {sid!r}: token arrays are not int32"
     if len(s.logprobs) != 4 * n or len(s.loss_mask) != n:
         return R_ARRAY_LENGTH, f"sample {sid!r}: logprobs/mask length != {n} completion tokens"
-    if not math.isfinite(s.reward):
-        return R_REWARD, f"sample {sid!r} reward {s.reward!r}"
+    bad = check_reward(f"sample {sid!r}", s.reward, limits)
+    if bad:
+        return bad
     lo, hi = (limits.min_temperature, limits.max_temperature) if limits is not None else (MIN_TEMPERATURE, math.inf)
     if not (math.isfinite(s.temperature) and lo - TEMPERATURE_SLACK <= s.temperature <= hi + TEMPERATURE_SLACK
             and s.temperature >= MIN_TEMPERATURE):
