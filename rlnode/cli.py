@@ -156,6 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--max-lag", type=int, default=None,
                        help="link: staleness budget in versions (default 1); learn --async: the pipelined "
                        "runs' actor.scheduler.max_lag (default 2)")
+    bench.add_argument("--engine", choices=("vllm", "null"), default="vllm",
+                       help="gateway: the engine the calls run on: vllm (the configured model, default) or null "
+                       "(answers at once with --max-tokens tokens, no model: the gateway's own capacity)")
     bench.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     return p
 

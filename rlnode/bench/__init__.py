@@ -100,7 +100,8 @@ def run_bench(name: str, cfg: Config, args) -> int:
     if name == "gateway":
         from rlnode.bench.gateway import bench_gateway, print_table
 
-        res = asyncio.run(bench_gateway(cfg, args.concurrency, args.requests, args.max_tokens, args.rounds, log))
+        res = asyncio.run(bench_gateway(cfg, args.concurrency, args.requests, args.max_tokens, args.rounds, log,
+                                        engine=args.engine))
         if args.json:
             print(msgspec.json.encode(res).decode())
         else:

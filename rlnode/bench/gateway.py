@@ -27,7 +27,19 @@ processes is measured per round (process CPU time). ``overhead_ms_per_call``
 is the daemon CPU a gateway call costs beyond a native one: the gateway's
 own price. The agent's CPU is the user's program, which the native loop
 does not run; on a host with cores to spare it runs beside the engine, on a
-2-core host it competes with it (and the ratio shows that).
+2-core host it competes with it (and the ratio shows that). The daemon's CPU
+is also split: its event-loop thread (``loop_ms_per_call``: the HTTP
+serving, history matching, tokenizing, the agent loop; one core at most, so
+1000 / loop ms is the most calls/s one daemon can serve) and its other
+threads (the rest of ``daemon_ms_per_call``: vLLM's client threads, the
+thread pool).
+
+Gateway capacity (``--engine null``): the same run on a ``NullEngine``
+(``null_engine.py``), which answers every request at once with
+``max_tokens`` tokens (the guessing game's numbers, padded) and no model.
+The engine then costs nothing and the figures are the gateway's own:
+``calls_per_s`` is what one node carries through it (given the cores left
+to the agents), the CPU ms per call of each process where it goes.
 """
 
 from __future__ import annotations
@@ -48,6 +60,7 @@ from rlnode.actor.episode import ChatRenderer, EpisodeResult, EpisodeSettings, m
 from rlnode.actor.gateway import Gateway
 from rlnode.actor.generation import LLMClient
 from rlnode.actor.router import AdmissionRouter
+from rlnode.bench.null_engine import NullEngine, guess_replies, space_id, uniform_logprob
 from rlnode.config import Config
 from rlnode.cubes.base import CubeTask, ToolSpec
 from rlnode.cubes.registry import make_cube
@@ -55,6 +68,7 @@ from rlnode.cubes.registry import make_cube
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "guess_openai_sdk.py"
 DEMO_GAME = {"max_number": 5, "max_turns": 3, "feedback": "range"}
 MODES = ("native", "gateway")
+ENGINES = ("vllm", "null")
 
 
 class GatewayBenchResult(msgspec.Struct):
@@ -77,6 +91,11 @@ class GatewayBenchResult(msgspec.Struct):
     game: dict
     rounds_tokens_per_s: dict[str, list[float]]
     raw_rounds: dict[str, list[RoundStats]] = {}
+    calls_per_s: float = 0.0  # gateway LLM calls per second, median over rounds
+    native_calls_per_s: float = 0.0
+    loop_ms_per_call: dict[str, float] = {}  # per mode: the daemon's event-loop thread, CPU per call
+    engine: str = "vllm"  # "vllm" | "null" (NullEngine: the gateway's capacity)
+    gateway_calls: int = 0  # chat completions the gateway answered, warm-up rounds included
 
 
 class RoundStats(msgspec.Struct, array_like=True):
@@ -84,9 +103,10 @@ class RoundStats(msgspec.Struct, array_like=True):
     tokens: int
     episodes: int
     calls: int
-    daemon_cpu_s: float = 0.0  # this process (event loop, HTTP, tokenizer)
+    daemon_cpu_s: float = 0.0  # this process, all threads (event loop, HTTP, tokenizer, engine client)
     agent_cpu_s: float = 0.0  # the agent's worker processes
     engine_cpu_s: float = 0.0  # the engine's processes (core and workers)
+    loop_cpu_s: float = 0.0  # of daemon_cpu_s: the event-loop thread
 
 
 class Advertised(CubeTask):
@@ -137,8 +157,8 @@ def _cpu_s(pids: list[int]) -> float:
     return total
 
 
-def _engine_pids() -> list[int]:
-    """This process's descendants that are not agent workers: the engine."""
+def _descendants(roots: list[int]) -> list[int]:
+    """The live descendants of processes ``roots`` (not the roots), from /proc."""
     kids: dict[int, list[int]] = {}
     for d in os.listdir("/proc"):
         if d.isdigit():
@@ -147,7 +167,7 @@ def _engine_pids() -> list[int]:
             except (OSError, IndexError, ValueError):
                 continue
             kids.setdefault(ppid, []).append(int(d))
-    out, todo = [], [os.getpid()]
+    out, todo = [], list(roots)
     while todo:
         for k in kids.get(todo.pop(), []):
             out.append(k)
@@ -155,33 +175,47 @@ def _engine_pids() -> list[int]:
     return out
 
 
+def _engine_pids() -> list[int]:
+    """This process's descendants that are not agent workers: the engine."""
+    return _descendants([os.getpid()])
+
+
 async def play_round(play_one: Callable[[int], Awaitable[EpisodeResult]], episodes: int,
-                     concurrency: int, agent_pids: Callable[[], list[int]] = lambda: []) -> RoundStats:
+                     concurrency: int, agent_pids: Callable[[], list[int]] = lambda: [],
+                     engine_pids: Callable[[], list[int]] = _engine_pids) -> RoundStats:
+    """One round; runs on (and so measures) the daemon's event-loop thread."""
     sem = asyncio.Semaphore(concurrency)
 
     async def one(i: int) -> EpisodeResult:
         async with sem:
             return await play_one(i)
 
-    agents = agent_pids()
-    engine = [p for p in _engine_pids() if p not in agents]
-    cpu0 = (time.process_time(), _cpu_s(agents), _cpu_s(engine))
+    # A worker's whole tree: a sandboxed one is its sandbox (bwrap) with the
+    # interpreter inside it.
+    roots = agent_pids()
+    agents = set(roots) | set(_descendants(roots))
+    engine = [p for p in engine_pids() if p not in agents]
+    cpu0 = (time.process_time(), _cpu_s(agents), _cpu_s(engine), time.thread_time())
     t0 = time.perf_counter()
     results = await asyncio.gather(*(one(i) for i in range(episodes)))
     wall = time.perf_counter() - t0
-    cpu1 = (time.process_time(), _cpu_s(agents), _cpu_s(engine))
+    cpu1 = (time.process_time(), _cpu_s(agents), _cpu_s(engine), time.thread_time())
     tokens = sum(len(s.completion_ids) // 4 for r in results for s in r.samples)  # int32 ids
     return RoundStats(wall, tokens, len(results), sum(len(r.samples) for r in results),
                       *(b - a for a, b in zip(cpu0, cpu1)))
 
 
 async def compare(client: LLMClient, renderer: ChatRenderer, settings: EpisodeSettings, game: dict, seed: int,
-                  episodes: int, concurrency: int, rounds: int, log=print) -> GatewayBenchResult:
-    """Both modes on an engine the caller started (tests reuse theirs)."""
+                  episodes: int, concurrency: int, rounds: int, log=print, engine: str = "vllm",
+                  agent_workers: int = 2) -> GatewayBenchResult:
+    """Both modes on an engine the caller started (tests reuse theirs).
+    ``engine``: what ``client`` runs on, "vllm" (its processes are this
+    process's children) or "null" (no processes: engine CPU is 0)."""
     example = load_example()
     tools = [ToolSpec(**example.GUESS_TOOL["function"])]
+    engine_pids = _engine_pids if engine == "vllm" else (lambda: [])
     native_cube = make_cube("bench", "guessing", game, seed)
-    agent_cube = make_cube("bench", "openai-agent", {"agent": f"{EXAMPLE}:play", "workers": 2,
+    agent_cube = make_cube("bench", "openai-agent", {"agent": f"{EXAMPLE}:play", "workers": agent_workers,
                                                      "env": {"kind": "guessing", "options": game}}, seed)
     await native_cube.start(), await agent_cube.start()
     ids = await native_cube.task_ids("train")
@@ -204,23 +238,29 @@ async def compare(client: LLMClient, renderer: ChatRenderer, settings: EpisodeSe
                 return [w.proc.pid for w in agent_cube.workers.workers]
 
             for mode in MODES:  # warm-up, untimed
-                await play_round(player(mode, f"warm-{mode}"), concurrency, concurrency)
+                await play_round(player(mode, f"warm-{mode}"), concurrency, concurrency, engine_pids=engine_pids)
             for r in range(rounds):
                 for mode in (MODES if r % 2 == 0 else MODES[::-1]):
-                    st = await play_round(player(mode, f"r{r}-{mode}"), episodes, concurrency, agent_pids)
+                    st = await play_round(player(mode, f"r{r}-{mode}"), episodes, concurrency, agent_pids,
+                                          engine_pids)
                     per_mode[mode].append(st)
                     log(f"  {mode:<7} round {r}: {st.episodes} episodes, {st.calls} calls, {st.tokens} tokens "
-                        f"in {st.wall_s:.2f}s = {st.tokens / st.wall_s:.0f} tok/s; CPU ms/call: daemon "
-                        f"{1e3 * st.daemon_cpu_s / st.calls:.2f}, agent {1e3 * st.agent_cpu_s / st.calls:.2f}, "
+                        f"in {st.wall_s:.2f}s = {st.calls / st.wall_s:.0f} calls/s, {st.tokens / st.wall_s:.0f} "
+                        f"tok/s; CPU ms/call: daemon {1e3 * st.daemon_cpu_s / st.calls:.2f} (loop thread "
+                        f"{1e3 * st.loop_cpu_s / st.calls:.2f}), agent {1e3 * st.agent_cpu_s / st.calls:.2f}, "
                         f"engine {1e3 * st.engine_cpu_s / st.calls:.2f}")
     finally:
         await native_cube.close(), await agent_cube.close()
-    return _result(per_mode, gateway.stats.history_resets, episodes, concurrency, settings, rounds, game)
+    res = _result(per_mode, gateway.stats.history_resets, episodes, concurrency, settings, rounds, game, engine)
+    res.gateway_calls = gateway.stats.calls
+    return res
 
 
 def _result(per_mode: dict[str, list[RoundStats]], resets: int, episodes: int, concurrency: int,
-            settings: EpisodeSettings, rounds: int, game: dict) -> GatewayBenchResult:
+            settings: EpisodeSettings, rounds: int, game: dict, engine_kind: str = "vllm") -> GatewayBenchResult:
     tok = {m: [s.tokens / s.wall_s for s in v] for m, v in per_mode.items()}
+    cps = {m: statistics.median(s.calls / s.wall_s for s in v) for m, v in per_mode.items()}
+    loop = {m: statistics.median(1e3 * s.loop_cpu_s / s.calls for s in v) for m, v in per_mode.items()}
     eps = {m: statistics.median(s.episodes / s.wall_s for s in v) for m, v in per_mode.items()}
     calls = {m: sum(s.calls for s in v) / sum(s.episodes for s in v) for m, v in per_mode.items()}
     daemon = {m: statistics.median(1e3 * s.daemon_cpu_s / s.calls for s in v) for m, v in per_mode.items()}
@@ -236,45 +276,66 @@ def _result(per_mode: dict[str, list[RoundStats]], resets: int, episodes: int, c
         engine_ms_per_call=engine, overhead_ms_per_call=daemon["gateway"] - daemon["native"],
         episodes_per_round=episodes, concurrency=concurrency,
         max_tokens=settings.sampling.max_tokens, rounds=rounds, game=game, rounds_tokens_per_s=tok,
-        raw_rounds=per_mode,
+        raw_rounds=per_mode, calls_per_s=cps["gateway"], native_calls_per_s=cps["native"], loop_ms_per_call=loop,
+        engine=engine_kind,
     )
 
 
+def null_engine(renderer: ChatRenderer, game: dict) -> NullEngine:
+    """A NullEngine that answers the guessing game's numbers in turn (padded
+    with spaces to max_tokens), so episodes play as with a model."""
+    tok = renderer.tok
+    return NullEngine(0, guess_replies(tok, int(game.get("max_number", DEMO_GAME["max_number"]))), space_id(tok),
+                      renderer.eos_id, uniform_logprob(len(tok)))
+
+
 async def bench_gateway(cfg: Config, concurrency: int, episodes: int, max_tokens: int, rounds: int,
-                        log=print) -> GatewayBenchResult:
+                        log=print, engine: str = "vllm") -> GatewayBenchResult:
+    """``engine``: "vllm" (the configured engine) or "null" (``NullEngine``:
+    the gateway's own capacity)."""
     from transformers import AutoTokenizer
 
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}, not {engine!r}")
     s = cfg.actor.sampling
     settings = EpisodeSettings(
         SamplingSettings(max_tokens=max_tokens, temperature=s.temperature, top_p=s.top_p, ignore_eos=True),
         max_turns=cfg.actor.episode.max_turns, max_model_len=cfg.model.max_model_len,
         min_completion_tokens=cfg.actor.episode.min_completion_tokens)
     renderer = make_renderer(AutoTokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.path), cfg.model)
-    engine = Engine(0, cfg.model, cfg.actor.engine)
-    await engine.start()
+    game = game_options(cfg)
+    eng = Engine(0, cfg.model, cfg.actor.engine) if engine == "vllm" else null_engine(renderer, game)
+    await eng.start()
     try:
-        client = LLMClient([engine], AdmissionRouter(1, concurrency))
-        return await compare(client, renderer, settings, game_options(cfg), cfg.run.seed, episodes, concurrency,
-                             rounds, log)
+        client = LLMClient([eng], AdmissionRouter(1, concurrency))
+        return await compare(client, renderer, settings, game, cfg.run.seed, episodes, concurrency, rounds, log,
+                             engine=engine)
     finally:
-        await engine.shutdown()
+        await eng.shutdown()
 
 
 def print_table(res: GatewayBenchResult) -> None:
     g = res.game
-    print(f"\ngateway benchmark: {res.episodes_per_round} episodes per round of guessing (1..{g.get('max_number')}, "
-          f"{g.get('max_turns')} guesses), concurrency {res.concurrency}, {res.max_tokens} tokens per call, "
-          f"median of {res.rounds} rounds")
-    print(f"{'path':<36}{'tokens/s':>10}{'episodes/s':>12}{'calls/ep':>10}{'vs native':>11}")
-    rows = [("native agent loop (run_episode)", res.native_tokens_per_s, res.native_episodes_per_s,
-             res.native_calls_per_episode, 1.0),
-            ("openai-SDK agent via the gateway", res.tokens_per_s, res.episodes_per_s, res.calls_per_episode,
-             res.tokens_per_s / res.native_tokens_per_s)]
-    for name, tps, eps, calls, rel in rows:
-        print(f"{name:<36}{tps:>10.0f}{eps:>12.2f}{calls:>10.2f}{rel:>11.3f}")
+    engine = "vLLM engine" if res.engine == "vllm" else "null engine (no model: the gateway's own capacity)"
+    print(f"\ngateway benchmark on the {engine}: {res.episodes_per_round} episodes per round of guessing "
+          f"(1..{g.get('max_number')}, {g.get('max_turns')} guesses), concurrency {res.concurrency}, "
+          f"{res.max_tokens} tokens per call, median of {res.rounds} rounds")
+    print(f"{'path':<36}{'calls/s':>10}{'tokens/s':>10}{'episodes/s':>12}{'calls/ep':>10}{'vs native':>11}")
+    rows = [("native agent loop (run_episode)", res.native_calls_per_s, res.native_tokens_per_s,
+             res.native_episodes_per_s, res.native_calls_per_episode, 1.0),
+            ("openai-SDK agent via the gateway", res.calls_per_s, res.tokens_per_s, res.episodes_per_s,
+             res.calls_per_episode, res.tokens_per_s / res.native_tokens_per_s)]
+    for name, cps, tps, eps, calls, rel in rows:
+        print(f"{name:<36}{cps:>10.0f}{tps:>10.0f}{eps:>12.2f}{calls:>10.2f}{rel:>11.3f}")
     print(f"ratio gateway/native = {res.ratio:.3f} (goal >= 0.9, median of paired rounds)   "
           f"history resets = {res.history_resets}")
-    d, e = res.daemon_ms_per_call, res.engine_ms_per_call
+    d, e, lp = res.daemon_ms_per_call, res.engine_ms_per_call, res.loop_ms_per_call
+    eng = (f"engine {e['native']:.2f} native / {e['gateway']:.2f} gateway" if res.engine == "vllm"
+           else "engine none (null)")
     print(f"CPU ms per LLM call: daemon {d['native']:.2f} native / {d['gateway']:.2f} gateway "
-          f"(gateway overhead {res.overhead_ms_per_call:+.2f}); agent processes {res.agent_ms_per_call:.2f}; "
-          f"engine {e['native']:.2f} native / {e['gateway']:.2f} gateway")
+          f"(gateway overhead {res.overhead_ms_per_call:+.2f}); of which its event-loop thread "
+          f"{lp.get('native', 0.0):.2f} native / {lp.get('gateway', 0.0):.2f} gateway; "
+          f"agent processes {res.agent_ms_per_call:.2f}; {eng}")
+    if lp.get("gateway"):
+        print(f"one daemon event loop serves at most {1e3 / lp['gateway']:.0f} gateway calls/s "
+              f"(1000 / loop ms per call)")
