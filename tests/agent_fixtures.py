@@ -120,6 +120,119 @@ def try_to_escape() -> dict:
     return out
 
 
+def steal_the_link() -> dict:
+    """What a tool call could try against the node's link: read the node's
+    CURVE keys (KEY_DIR, NODE_ID), register as that node and deliver a group
+    (FRAMES: hex of a real Register and GroupDelivery) on LINK_PORT. Each
+    entry is what it got; a frame counts only if the trainer answers it."""
+    import zmq
+    import zmq.auth
+
+    key_dir, node, port = os.environ["KEY_DIR"], os.environ["NODE_ID"], int(os.environ["LINK_PORT"])
+    frames = json.loads(os.environ["FRAMES"])
+    out, keys = {}, None
+    try:
+        public, secret = zmq.auth.load_certificate(os.path.join(key_dir, f"{node}.key_secret"))
+        server, _ = zmq.auth.load_certificate(os.path.join(key_dir, "trainer.key"))
+        keys, out["read_keys"] = (public, secret, server), "ok"
+    except Exception as e:  # noqa: BLE001 - refused is the point
+        out["read_keys"] = f"refused: {type(e).__name__}"
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.DEALER)
+        sock.linger = 0
+        sock.identity = f"{node}/stolen".encode()
+        if keys:
+            sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = keys
+        sock.connect(f"tcp://127.0.0.1:{port}")
+        for name in ("register", "deliver"):
+            sock.send(bytes.fromhex(frames[name]))
+            out[name] = f"ok: {sock.recv()[:40]!r}" if sock.poll(3000) else "refused: no answer"
+    finally:
+        ctx.destroy(linger=0)
+    return out
+
+
+def fork_until_refused() -> str:
+    """A fork bomb held on a leash: children that sleep, forked until the
+    kernel refuses; they are killed before this returns."""
+    children = []
+    try:
+        while len(children) < 1000:
+            pid = os.fork()
+            if pid == 0:
+                time.sleep(60)
+                os._exit(0)
+            children.append(pid)
+        return f"allowed: forked {len(children)} processes"
+    except OSError as e:
+        return f"refused: fork after {len(children)} processes: {type(e).__name__}"
+    finally:
+        for pid in children:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+
+
+def hog_memory() -> str:
+    """2 GiB, every page touched."""
+    block = bytearray(2 * 2**30)
+    block[:: 4096] = b"x" * len(range(0, len(block), 4096))
+    return f"allowed: held {len(block) >> 20} MiB"
+
+
+def open_connections(base_url: str, count: int = 10_000) -> str:
+    """Open ``count`` connections to the gateway and hold them."""
+    import socket
+    from urllib.parse import urlsplit
+
+    url, held = urlsplit(base_url), []
+    try:
+        for _ in range(count):
+            held.append(socket.create_connection((url.hostname, url.port), 5))
+        return f"allowed: held {len(held)} connections"
+    except OSError as e:
+        return f"refused: after {len(held)} connections: {type(e).__name__}"
+    finally:
+        for s in held:
+            s.close()
+
+
+async def escape(task, base_url, api_key):
+    await one_call(base_url, api_key)
+    raise RuntimeError("REPORT " + json.dumps(try_to_escape()))
+
+
+async def steal(task, base_url, api_key):
+    await one_call(base_url, api_key)
+    raise RuntimeError("REPORT " + json.dumps(steal_the_link()))
+
+
+async def bomb(task, base_url, api_key):
+    await one_call(base_url, api_key)
+    return _limit_outcome(fork_until_refused())
+
+
+async def hog(task, base_url, api_key):
+    await one_call(base_url, api_key)
+    return _limit_outcome(hog_memory)
+
+
+async def flood(task, base_url, api_key):
+    await one_call(base_url, api_key)
+    return _limit_outcome(open_connections, base_url)
+
+
+def _limit_outcome(what, *args) -> float:
+    """0.0 when the agent got all it asked for; raises when a limit held."""
+    try:
+        got = what(*args) if callable(what) else what
+    except MemoryError:
+        got = "refused: MemoryError"
+    if got.startswith("refused"):
+        raise RuntimeError(f"LIMIT {got}")
+    return 0.0
+
+
 def command_main(mode: str) -> int:
     task = json.load(sys.stdin)
     base_url, api_key = os.environ["OPENAI_BASE_URL"], os.environ["OPENAI_API_KEY"]
@@ -149,6 +262,20 @@ def command_main(mode: str) -> int:
         import subprocess
 
         return subprocess.run([sys.executable, "-c", script]).returncode
+    if mode == "steal":
+        print("REPORT " + json.dumps(steal_the_link()), file=sys.stderr)
+        return 3
+    if mode in ("bomb", "hog", "flood"):
+        what = {"bomb": fork_until_refused, "hog": hog_memory, "flood": lambda: open_connections(base_url)}[mode]
+        try:
+            _limit_outcome(what)
+        except RuntimeError as e:
+            print(e, file=sys.stderr)
+            return 3
+        return 0
+    if mode == "sleep":  # holds its episode open (its sandbox and relay) for a while
+        time.sleep(float(os.environ.get("SLEEP_S", "3")))
+        return 0
     if mode == "fail":
         print("agent says: cannot continue", file=sys.stderr)
         return 3

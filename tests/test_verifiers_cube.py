@@ -291,6 +291,15 @@ async def test_a_cancelled_episode_is_cancelled_on_the_foreign_loop(vf):
     assert not [k for k in os.environ if k.startswith("RLNODE_VF_API_KEY_")]
 
 
+async def environ_watch(runs) -> list[str]:
+    """Episode key variables seen in os.environ while ``runs`` run."""
+    seen: set[str] = set()
+    while not all(r.done() for r in runs):
+        seen |= {k for k in os.environ if k.startswith("RLNODE_VF_API_KEY_")}
+        await asyncio.sleep(0.005)
+    return sorted(seen)
+
+
 async def test_64_concurrent_episodes_share_the_environments_locks(vf):
     """Issue 34: verifiers shares asyncio locks between episodes (upstream's
     SubprocessRuntime keeps them on the class), and so does this test
@@ -308,9 +317,14 @@ async def test_64_concurrent_episodes_share_the_environments_locks(vf):
         # A deadline: on a loop per episode, some episodes also waited
         # forever on a lock whose waiter was on another loop.
         runs = [asyncio.ensure_future(t.run_agent(endpoint, {})) for t in tasks]
+        keys_in_environ = asyncio.ensure_future(environ_watch(runs))
         done, stuck = await asyncio.wait(runs, timeout=60)
         for r in stuck:
             r.cancel()
+    # The episodes' keys reached the server (it checks them) through
+    # verifiers' own key lookup, yet never the process's environment, which
+    # every process any thread starts would inherit.
+    assert await keys_in_environ == []
     errors = [r.exception() for r in done if r.exception()]
     assert not errors and not stuck, (f"{len(errors)} of 64 failed (first: {errors[:1]!r}), "
                                       f"{len(stuck)} still running after 60 s")

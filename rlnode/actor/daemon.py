@@ -141,6 +141,8 @@ class ActorDaemon:
                 self.scheduler = await self._make_scheduler()
                 if not self.gateway.url:  # no ops endpoint: the gateway listens on its own (loopback)
                     await self._gateway_site.enter_async_context(self.gateway.serve("127.0.0.1", 0))
+                else:  # the ops endpoint serves the routes; sandboxed agents get the episode routes alone
+                    await self._gateway_site.enter_async_context(self.gateway.serve_agents())
             if self.peers:
                 await self._connect()
         except BaseException:

@@ -207,7 +207,7 @@ async def play_round(play_one: Callable[[int], Awaitable[EpisodeResult]], episod
 
 async def compare(client: LLMClient, renderer: ChatRenderer, settings: EpisodeSettings, game: dict, seed: int,
                   episodes: int, concurrency: int, rounds: int, log=print, engine: str = "vllm",
-                  agent_workers: int = 2) -> GatewayBenchResult:
+                  agent_workers: int = 2, isolation: str = "bwrap") -> GatewayBenchResult:
     """Both modes on an engine the caller started (tests reuse theirs).
     ``engine``: what ``client`` runs on, "vllm" (its processes are this
     process's children) or "null" (no processes: engine CPU is 0)."""
@@ -216,7 +216,8 @@ async def compare(client: LLMClient, renderer: ChatRenderer, settings: EpisodeSe
     engine_pids = _engine_pids if engine == "vllm" else (lambda: [])
     native_cube = make_cube("bench", "guessing", game, seed)
     agent_cube = make_cube("bench", "openai-agent", {"agent": f"{EXAMPLE}:play", "workers": agent_workers,
-                                                     "env": {"kind": "guessing", "options": game}}, seed)
+                                                     "env": {"kind": "guessing", "options": game},
+                                                     "isolation": isolation}, seed)
     await native_cube.start(), await agent_cube.start()
     ids = await native_cube.task_ids("train")
     gateway = Gateway(client, renderer, settings, model_name="bench")
@@ -290,9 +291,9 @@ def null_engine(renderer: ChatRenderer, game: dict) -> NullEngine:
 
 
 async def bench_gateway(cfg: Config, concurrency: int, episodes: int, max_tokens: int, rounds: int,
-                        log=print, engine: str = "vllm") -> GatewayBenchResult:
+                        log=print, engine: str = "vllm", isolation: str = "bwrap") -> GatewayBenchResult:
     """``engine``: "vllm" (the configured engine) or "null" (``NullEngine``:
-    the gateway's own capacity)."""
+    the gateway's own capacity). ``isolation``: the agent cube's."""
     from transformers import AutoTokenizer
 
     if engine not in ENGINES:
@@ -309,7 +310,7 @@ async def bench_gateway(cfg: Config, concurrency: int, episodes: int, max_tokens
     try:
         client = LLMClient([eng], AdmissionRouter(1, concurrency))
         return await compare(client, renderer, settings, game, cfg.run.seed, episodes, concurrency, rounds, log,
-                             engine=engine)
+                             engine=engine, isolation=isolation)
     finally:
         await eng.shutdown()
 

@@ -1,28 +1,37 @@
-"""Command agents under OS isolation: they reach the gateway and nothing else.
+"""Agents under OS isolation: they reach the gateway and nothing else.
 
-An agent command is the user's code, but what it does is the policy's: the
-tool calls it runs are model output. So by default (``openai-agent`` option
-``isolation = "bwrap"``) the command runs under bubblewrap, as the python
-sandbox's snippets do (``isolation.agent_prefix``): its own pid namespace (no
+An agent is the user's code, but what it does is the policy's: the tool
+calls it runs are model output. So by default (``openai-agent`` option
+``isolation = "bwrap"``) every agent runs under bubblewrap, as the python
+sandbox's snippets do (``isolation.agent_prefix``): a command agent's
+process per episode, a function agent's worker processes
+(``agent_workers.py``), a verifiers environment's harness programs
+(``verifiers_cube.py``). Each gets its own pid namespace (no
 ``/proc/<daemon>/environ``), a network namespace with loopback only (no link
 port, no CURVE endpoint, no internet), a fresh unprivileged uid without
 capabilities, a read-only view of the system, the Python installation and
-the agent's own files, and a size-bounded private ``/tmp`` (also ``HOME``).
-No run dir, key file or daemon file is visible.
+the agent's own files, a size-bounded private ``/tmp`` (also ``HOME``), an
+allowlisted environment that bwrap is *started with* (never ``--setenv``:
+argv is world-readable in /proc), and rlimits (``AgentLimits``: processes,
+address space, open files, CPU seconds). No run dir, key file or daemon
+file is visible.
 
-The one way out is the gateway. The sandbox's loopback is its own, so:
+The one way out is the gateway's *agent socket*: a unix socket serving the
+episode routes alone (``Gateway.serve_agents``; not ``/status``,
+``/metrics`` or ``/history``). The sandbox's loopback is its own, so:
 
-    agent --TCP 127.0.0.1:PORT--> bootstrap (in the sandbox, this file's
-        BOOTSTRAP) --unix socket--> GatewayRelay (the daemon) --TCP--> gateway
+    agent --TCP 127.0.0.1:INSIDE_PORT--> bootstrap (in the sandbox, this
+        file's BOOTSTRAP) --unix socket--> GatewayRelay (the daemon; at most
+        ``limits.connections`` at once) --unix socket--> the agent socket
 
-The bootstrap listens on the gateway's own port inside the sandbox, so the
-episode's URLs only change host (``127.0.0.1``), starts the agent command
-(stdin, stdout, stderr and the allowlisted environment pass through) and
-exits with its status. The relay's socket lives in a private directory
-bound read-only into that one sandbox (a socket is connectable on a
-read-only mount) and accepts connections only while the episode runs.
+The bootstrap sets the rlimits, listens on ``INSIDE_PORT`` inside the
+sandbox (the episode's URLs change host and port only: ``inside_url``),
+starts the agent (stdin, stdout, stderr, the allowlisted environment and
+the descriptors named pass through) and exits with its status. The relay's
+socket lives in a private directory bound read-only into that one sandbox
+(a socket is connectable on a read-only mount).
 
-``isolation = "none"`` runs the command bare, as the daemon's user: an
+``isolation = "none"`` runs agents bare, as the daemon's user: an
 operator's explicit choice, logged as an error at start.
 """
 
@@ -33,7 +42,11 @@ import os
 import shutil
 import sys
 import tempfile
+from typing import Annotated
 from urllib.parse import urlsplit, urlunsplit
+
+import msgspec
+from msgspec import Meta
 
 from rlnode.config import ConfigError
 from rlnode.cubes import isolation
@@ -41,47 +54,96 @@ from rlnode.log import get_logger
 
 log = get_logger("rlnode.cubes.agent_sandbox")
 
-# Writable /tmp (and HOME) of one agent sandbox.
-TMP_BYTES = 256 * 2**20
 SOCKET_NAME = "gateway.sock"
+# The port the bootstrap listens on inside a sandbox (its loopback is its own).
+INSIDE_PORT = 8000
 
-# Runs as the sandbox's first process: python -I -S -c BOOTSTRAP SOCKET PORT ARGV...
+
+class AgentLimits(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    """What one agent sandbox may take from the node (rlimits set by the
+    bootstrap before the agent's first instruction; a root daemon's sandbox
+    runs as a uid of its own, so the process count is the sandbox's)."""
+
+    # Processes and threads at once (RLIMIT_NPROC): a fork bomb ends here,
+    # as an error in the agent, not as a node out of pids.
+    processes: Annotated[int, Meta(ge=16)] = 256
+    # Address space per process, MiB (RLIMIT_AS): a memory hog gets
+    # MemoryError (or ENOMEM), not the node's OOM killer. Virtual memory:
+    # threads reserve stacks and malloc arenas (MALLOC_ARENA_MAX is 4 inside).
+    memory_mib: Annotated[int, Meta(ge=256)] = 8192
+    # Open descriptors per process (RLIMIT_NOFILE); sockets count.
+    open_files: Annotated[int, Meta(ge=64)] = 1024
+    # CPU seconds per process (RLIMIT_CPU; SIGXCPU, SIGKILL a second later).
+    # A function agent's worker retires before it reaches it.
+    cpu_s: Annotated[int, Meta(ge=10)] = 3600
+    # Gateway connections one sandbox may hold open at once; more are
+    # refused (closed at once) and counted.
+    connections: Annotated[int, Meta(ge=1)] = 256
+    # Writable /tmp (and HOME), MiB.
+    tmp_mib: Annotated[int, Meta(ge=1)] = 256
+
+
+# Runs as the sandbox's first process:
+#   python -I -S -c BOOTSTRAP SOCKET PORT NPROC,AS,NOFILE,CPU FD,... ARGV...
+# One relay thread (a selector), so the relay's own threads never count
+# against the sandbox's process limit.
 BOOTSTRAP = r"""
-import socket, subprocess, sys, threading
-sock_path, port, argv = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+import resource, selectors, socket, subprocess, sys, threading
+sock_path, port, limits, fds, argv = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5:]
 srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
 srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
 srv.bind(("127.0.0.1", port))
-srv.listen(64)
-def pipe(src, dst):
+srv.listen(128)
+for name, n in zip(("NPROC", "AS", "NOFILE", "CPU"), map(int, limits.split(","))):
+    resource.setrlimit(getattr(resource, "RLIMIT_" + name), (n, n + 1 if name == "CPU" else n))
+sel = selectors.DefaultSelector()
+sel.register(srv, selectors.EVENT_READ)
+peer = {}
+def done(s):
+    other = peer[s]
+    sel.unregister(s)
     try:
-        while True:
-            data = src.recv(65536)
-            if not data:
-                break
-            dst.sendall(data)
+        other.shutdown(socket.SHUT_WR)
     except OSError:
         pass
-    finally:
-        try:
-            dst.shutdown(socket.SHUT_WR)
-        except OSError:
-            pass
-def serve():
-    while True:
+    if other not in sel.get_map():
+        for x in (s, other):
+            peer.pop(x, None)
+            x.close()
+def accept():
+    try:
         conn, _ = srv.accept()
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        up = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            up.connect(sock_path)
-        except OSError:
-            conn.close()
-            continue
-        threading.Thread(target=pipe, args=(conn, up), daemon=True).start()
-        threading.Thread(target=pipe, args=(up, conn), daemon=True).start()
-threading.Thread(target=serve, daemon=True).start()
+    except OSError:
+        return
+    up = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        up.connect(sock_path)
+    except OSError:
+        conn.close()
+        up.close()
+        return
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    peer[conn], peer[up] = up, conn
+    sel.register(conn, selectors.EVENT_READ)
+    sel.register(up, selectors.EVENT_READ)
+def relay():
+    while True:
+        for key, _ in sel.select():
+            s = key.fileobj
+            if s is srv:
+                accept()
+                continue
+            try:
+                data = s.recv(65536)
+                if data:
+                    peer[s].sendall(data)
+                    continue
+            except OSError:
+                pass
+            done(s)
+threading.Thread(target=relay, daemon=True).start()
 try:
-    child = subprocess.Popen(argv)
+    child = subprocess.Popen(argv, pass_fds=[int(fd) for fd in fds.split(",") if fd])
 except OSError as e:
     print(f"rlnode agent sandbox: cannot start {argv[0]!r}: {e}", file=sys.stderr)
     sys.exit(127)
@@ -91,14 +153,18 @@ sys.exit(128 - code if code < 0 else code)
 
 
 class GatewayRelay:
-    """A unix socket whose connections are piped to the gateway's TCP port,
-    for one sandboxed agent. ``async with GatewayRelay(url) as relay``."""
+    """A unix socket whose connections are piped to the gateway's agent
+    socket, for one sandbox: ``async with GatewayRelay(upstream) as relay``.
+    At most ``max_connections`` at once; more are closed at once and
+    counted (``refused``). ``upstream`` may be set after the relay starts
+    (a function agent's workers start before the gateway serves); until
+    then every connection is refused."""
 
-    def __init__(self, gateway_url: str):
-        parts = urlsplit(gateway_url)
-        self.host, self.port = parts.hostname or "127.0.0.1", parts.port or 80
+    def __init__(self, upstream: str = "", max_connections: int = 256):
+        self.upstream, self.max_connections = upstream, max_connections
         self.dir = ""
         self.socket = ""
+        self.refused = 0
         self._server: asyncio.AbstractServer | None = None
         self._pipes: set[asyncio.Task] = set()
 
@@ -121,10 +187,17 @@ class GatewayRelay:
         shutil.rmtree(self.dir, ignore_errors=True)
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if not self.upstream or len(self._pipes) >= self.max_connections:
+            if self.refused == 0:
+                log.warning("agent.relay_refused", connections=len(self._pipes), limit=self.max_connections,
+                            key="limits.connections")
+            self.refused += 1
+            writer.close()
+            return
         task = asyncio.current_task()
         self._pipes.add(task)
         try:
-            up_reader, up_writer = await asyncio.open_connection(self.host, self.port)
+            up_reader, up_writer = await asyncio.open_unix_connection(self.upstream)
         except OSError:
             writer.close()
             self._pipes.discard(task)
@@ -149,17 +222,22 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
 
 
 def inside_url(url: str) -> str:
-    """``url`` as the sandboxed agent reaches it: same port, its own loopback."""
-    parts = urlsplit(url)
-    return urlunsplit(parts._replace(netloc=f"127.0.0.1:{parts.port or 80}"))
+    """``url`` as a sandboxed agent reaches it: its own loopback, INSIDE_PORT."""
+    return urlunsplit(urlsplit(url)._replace(netloc=f"127.0.0.1:{INSIDE_PORT}"))
+
+
+def inside_env(env: dict[str, str]) -> dict[str, str]:
+    """The whole environment a sandbox is started with (bwrap passes it on)."""
+    return {"MALLOC_ARENA_MAX": "4", **env, "HOME": "/tmp/home", "TMPDIR": "/tmp"}
 
 
 def sandboxed_argv(command: list[str], env: dict[str, str], relay: GatewayRelay, cwd: str,
-                   ro_paths: list[str]) -> list[str]:
-    """The whole argv that runs ``command`` in its sandbox. Files the command
-    names (its script, a config) are made absolute and shown read-only;
-    ``cwd`` (the option, if set) and ``ro_paths`` too; the working
-    directory is ``cwd`` or the private /tmp/home."""
+                   ro_paths: list[str], limits: AgentLimits, pass_fds: tuple[int, ...] = ()) -> list[str]:
+    """The whole argv that runs ``command`` in its sandbox; start it with
+    ``env=inside_env(env)`` and ``pass_fds``. Files the command names (its
+    script, a config) are made absolute and shown read-only; ``cwd`` (the
+    option, if set) and ``ro_paths`` too; the working directory is ``cwd``
+    or the private /tmp/home."""
     base = cwd or os.getcwd()
     argv, shown = [], [relay.dir, *ro_paths] + ([cwd] if cwd else [])
     shown += [p for p in env.get("PYTHONPATH", "").split(":") if p and os.path.isdir(p)]
@@ -175,11 +253,12 @@ def sandboxed_argv(command: list[str], env: dict[str, str], relay: GatewayRelay,
             argv.append(found)
         else:
             argv.append(arg)
-    inside_env = {**env, "HOME": "/tmp/home", "TMPDIR": "/tmp"}
-    prefix = isolation.agent_prefix(inside_env, [os.path.abspath(p) for p in shown if p],
-                                    os.path.abspath(cwd) if cwd else "/tmp/home", TMP_BYTES)
+    prefix = isolation.agent_prefix(env, [os.path.abspath(p) for p in shown if p],
+                                    os.path.abspath(cwd) if cwd else "/tmp/home", limits.tmp_mib * 2**20)
     exe = isolation.interpreter(sys.executable)
-    return [*prefix, exe, "-I", "-S", "-c", BOOTSTRAP, relay.socket, str(relay.port), *argv]
+    rlimits = f"{limits.processes},{limits.memory_mib * 2**20},{limits.open_files},{limits.cpu_s}"
+    return [*prefix, exe, "-I", "-S", "-c", BOOTSTRAP, relay.socket, str(INSIDE_PORT), rlimits,
+            ",".join(map(str, pass_fds)), *argv]
 
 
 async def check(requested: str, cube_id: str) -> None:

@@ -1,12 +1,22 @@
-"""Function agents in worker processes: never on the daemon's event loop.
+"""Function agents in worker processes: never on the daemon's event loop,
+always behind the agents' wall.
 
 An ``openai-agent`` cube with ``agent = "module:function"`` runs the function
-here, in ``processes`` spawned worker processes, not in the actor daemon.
-The daemon's loop carries vLLM's output handler, the gateway, the link and
+here, in ``processes`` worker processes, not in the actor daemon. The
+daemon's loop carries vLLM's output handler, the gateway, the link and
 (under ``--role all``) the trainer; an agent's own work (building requests in
 its SDK, parsing replies, its tools) would otherwise take turns with all of
 them, and a blocking one would hold the default executor the daemon's own
 blocking work shares.
+
+A worker is not a child of the daemon's memory (no fork, no spawn
+preparation data): it is a fresh interpreter started as a command, under
+the same sandbox as command agents (``agent_sandbox.sandboxed_argv``: own
+pid and net namespaces, an unprivileged uid, rlimits, no run dir, no link
+keys; its environment is the cube's allowlist, bwrap is started with it).
+It talks to the daemon over one socket pair handed to it as a descriptor,
+and reaches the gateway's episode routes through its relay
+(``inside_url``). With ``isolation = "none"`` the same command runs bare.
 
 Each worker runs many episodes at once on its own event loop: an async
 function is awaited there, a plain one runs in the worker's thread pool.
@@ -15,12 +25,15 @@ the worker; if it has not ended ``CANCEL_GRACE_S`` later (a blocking agent,
 an agent that swallows cancellation) the worker is killed with its process
 group, failing the other episodes it held (the scheduler retries them), and
 a fresh worker takes its place. An exception of any kind, SystemExit
-included, fails only its own episode.
+included, fails only its own episode. A worker whose CPU time nears its
+rlimit (``limits.cpu_s``) retires: it takes no new episode, ends when its
+last one has, and a fresh one takes its place.
 
-Protocol (pickled tuples over a ``multiprocessing`` pipe):
+Protocol (pickled tuples over a ``multiprocessing.connection`` socket):
     daemon -> worker: ("run", id, task, base_url, api_key) | ("cancel", id) | ("stop",)
     worker -> daemon: ("ready",) | ("load_error", message) at start;
-                      ("ok", id, value) | ("error", id, message) per episode
+                      ("ok", id, value) | ("error", id, message) per episode;
+                      ("retire",) once its CPU time passes RETIRE_FRACTION of its limit
 """
 
 from __future__ import annotations
@@ -29,14 +42,19 @@ import asyncio
 import importlib
 import importlib.util
 import itertools
-import multiprocessing
 import os
 import signal
+import socket
+import sys
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, Callable
 
+import rlnode
 from rlnode.config import ConfigError
-from rlnode.cubes.base import CubeError
+from rlnode.cubes import agent_sandbox
+from rlnode.cubes.agent_sandbox import AgentLimits, GatewayRelay
+from rlnode.cubes.base import AgentEndpoint, CubeError
 from rlnode.log import get_logger
 
 log = get_logger("rlnode.cubes.agent_workers")
@@ -45,17 +63,31 @@ log = get_logger("rlnode.cubes.agent_workers")
 CANCEL_GRACE_S = 2.0
 # Seconds a worker may take to start and import the agent.
 START_TIMEOUT_S = 120.0
+# Share of limits.cpu_s after which a worker retires (its own CPU time).
+RETIRE_FRACTION = 0.8
+# The worker's command: python -c WORKER_MAIN FD REF RETIRE_CPU_S
+WORKER_MAIN = ("import sys; from rlnode.cubes.agent_workers import worker_main; "
+               "worker_main(int(sys.argv[1]), sys.argv[2], float(sys.argv[3]))")
+# rlnode's own package, shown read-only in a worker's sandbox (its code, no data).
+RLNODE_DIR = os.path.dirname(os.path.abspath(rlnode.__file__))
 
 
 class AgentWorkerError(CubeError):
     """The episode's agent failed in its worker (raised, or its worker died)."""
 
 
-def _worker_main(conn, ref: str) -> None:  # pragma: no cover - runs in the child process
-    os.setsid()  # its own process group: a kill takes what the agent started too
+def worker_main(fd: int, ref: str, retire_cpu_s: float) -> None:  # pragma: no cover - runs in the worker
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the daemon decides when workers end
     import inspect
+    import resource
     from concurrent.futures import ThreadPoolExecutor
+
+    conn = Connection(fd)
+    retired = False
+
+    def cpu_s() -> float:
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return r.ru_utime + r.ru_stime
 
     try:
         fn = load_agent(ref)
@@ -85,11 +117,15 @@ def _worker_main(conn, ref: str) -> None:  # pragma: no cover - runs in the chil
             reply = ("error", jid, "cancelled")
         except BaseException as e:  # noqa: BLE001 - SystemExit too: this episode only
             reply = ("error", jid, f"{type(e).__name__}({e})")
+        nonlocal retired
         jobs.pop(jid, None)
         try:
             conn.send(reply)
         except Exception as e:  # noqa: BLE001 - a reward of a type pickle refuses
             conn.send(("error", jid, f"the agent returned an unsendable value: {e!r}"))
+        if not retired and cpu_s() > retire_cpu_s:
+            retired = True
+            conn.send(("retire",))
 
     def on_message() -> None:
         try:
@@ -133,32 +169,44 @@ def load_agent(ref: str) -> Callable:
 
 
 class _Worker:
-    def __init__(self, ref: str):
-        ctx = multiprocessing.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker_main, args=(child, ref), daemon=True, name="rlnode-agent")
-        self.proc.start()
-        child.close()
+    """One worker process: its command under the sandbox, the daemon's end
+    of its socket pair, its relay to the gateway, its episodes."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, conn: Connection, relay: GatewayRelay | None):
+        self.proc, self.conn, self.relay = proc, conn, relay
         self.pending: dict[int, asyncio.Future] = {}
         self.ready: asyncio.Future | None = None
+        self.retiring = False
+
+    def alive(self) -> bool:
+        return self.proc.returncode is None
 
     def kill(self) -> None:
-        for sig_target in (lambda: os.killpg(self.proc.pid, signal.SIGKILL), self.proc.kill):
-            try:
-                sig_target()
-            except (ProcessLookupError, PermissionError, OSError):
-                pass
+        try:  # its process group: bwrap, and with it the sandbox's pid namespace
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 class AgentWorkers:
-    """``processes`` worker processes running agent ``ref``."""
+    """``processes`` worker processes running agent ``ref``, each under the
+    agents' sandbox (``isolation = "bwrap"``) with environment ``env``."""
 
-    def __init__(self, ref: str, processes: int):
-        self.ref, self.processes = ref, processes
+    def __init__(self, ref: str, processes: int, isolation: str = "bwrap", env: dict[str, str] | None = None,
+                 ro_paths: list[str] | None = None, limits: AgentLimits | None = None, cwd: str = ""):
+        self.ref, self.processes = _absolute_ref(ref), processes
+        self.isolation, self.env, self.cwd = isolation, dict(env or {}), cwd
+        self.ro_paths = [*(ro_paths or []), RLNODE_DIR, *_ref_files(self.ref)]
+        self.limits = limits or AgentLimits()
+        # The gateway's agent socket, known at the first episode (workers
+        # start with their cube, before the gateway serves).
+        self.upstream = ""
         self.workers: list[_Worker] = []
         self._ids = itertools.count()
-        self._reaper: set[asyncio.Task] = set()
+        self._reaper: set[asyncio.Task] = set()  # workers being reaped: awaited by close()
+        self._watchers: set[asyncio.Task] = set()  # cancelled episodes' grace timers: cancelled by close()
         self.restarts = 0  # workers killed (an episode would not end) or found dead
+        self.retired = 0  # workers that neared their CPU limit and were replaced
 
     async def start(self) -> None:
         """Spawn the workers; an agent that cannot be loaded fails here."""
@@ -166,7 +214,30 @@ class AgentWorkers:
 
     async def _spawn(self) -> _Worker:
         loop = asyncio.get_running_loop()
-        w = await loop.run_in_executor(None, _Worker, self.ref)  # spawn's fork+exec off the loop
+        ours, theirs = socket.socketpair()
+        relay = None
+        try:
+            cmd = [sys.executable, "-c", WORKER_MAIN, str(theirs.fileno()), self.ref,
+                   str(RETIRE_FRACTION * self.limits.cpu_s)]
+            if self.isolation == "none":
+                argv, env = cmd, self.env
+            else:
+                relay = GatewayRelay(self.upstream, self.limits.connections)
+                await relay.__aenter__()
+                argv = agent_sandbox.sandboxed_argv(cmd, self.env, relay, self.cwd, self.ro_paths, self.limits,
+                                                    pass_fds=(theirs.fileno(),))
+                env = agent_sandbox.inside_env(self.env)
+            proc = await asyncio.create_subprocess_exec(
+                *argv, env=env, cwd="/" if relay else (self.cwd or None), stdin=asyncio.subprocess.DEVNULL,
+                pass_fds=(theirs.fileno(),), start_new_session=True)  # its group: a kill takes what it started
+        except BaseException:
+            ours.close()
+            if relay is not None:
+                await relay.__aexit__(None, None, None)
+            raise
+        finally:
+            theirs.close()
+        w = _Worker(proc, Connection(ours.detach()), relay)
         w.ready = loop.create_future()
         loop.add_reader(w.conn.fileno(), self._on_readable, w)
         self.workers.append(w)
@@ -188,6 +259,11 @@ class AgentWorkers:
             w.ready.set_result(None)
         elif msg[0] == "load_error":
             w.ready.set_exception(ConfigError(f"agent {self.ref!r}: {msg[1]}"))
+        elif msg[0] == "retire":
+            w.retiring = True
+            self.retired += 1
+            log.info("agent.worker_retiring", agent=self.ref, cpu_limit_s=self.limits.cpu_s, episodes=len(w.pending))
+            self._stop_if_drained(w)
         else:
             fut = w.pending.pop(msg[1], None)
             if fut is not None and not fut.done():
@@ -195,16 +271,24 @@ class AgentWorkers:
                     fut.set_result(msg[2])
                 else:
                     fut.set_exception(AgentWorkerError(f"agent failed: {msg[2]}"))
+            self._stop_if_drained(w)
+
+    def _stop_if_drained(self, w: _Worker) -> None:
+        if w.retiring and not w.pending:
+            try:
+                w.conn.send(("stop",))
+            except OSError:
+                pass
+            self._drop(w)
 
     def _drop(self, w: _Worker, why: str = "") -> None:
         if w in self.workers:
             self.workers.remove(w)
             _unwatch(w)
-            w.kill()
-            w.proc.join(timeout=0)  # reaped later by multiprocessing if still exiting
             if why:
                 self.restarts += 1
                 log.warning("agent.worker_lost", agent=self.ref, why=why, episodes=len(w.pending))
+            self._track(self._end(w, kill=bool(why) or not w.retiring))
         for fut in w.pending.values():
             if not fut.done():
                 fut.set_exception(AgentWorkerError(f"agent worker ended: {why or 'stopped'}"))
@@ -212,15 +296,44 @@ class AgentWorkers:
         if w.ready is not None and not w.ready.done():
             w.ready.set_exception(AgentWorkerError(f"agent worker ended before it was ready: {why}"))
 
-    async def run(self, task: dict[str, Any], base_url: str, api_key: str) -> Any:
+    async def _end(self, w: _Worker, kill: bool) -> None:
+        """Reap a dropped worker (killed, or a retired one given time to
+        stop), then close its relay and its socket."""
+        try:
+            if not kill:
+                try:
+                    await asyncio.wait_for(w.proc.wait(), 5.0)
+                except asyncio.TimeoutError:
+                    pass
+            w.kill()  # anything it started, and a worker that did not stop
+            await w.proc.wait()
+        finally:
+            w.conn.close()
+            if w.relay is not None:
+                await w.relay.__aexit__(None, None, None)
+
+    def _track(self, coro, tasks: set[asyncio.Task] | None = None) -> None:
+        tasks = self._reaper if tasks is None else tasks
+        t = asyncio.ensure_future(coro)
+        tasks.add(t)
+        t.add_done_callback(tasks.discard)
+
+    async def run(self, task: dict[str, Any], endpoint: AgentEndpoint) -> Any:
         """One episode of the agent in the least busy worker."""
-        while len(self.workers) < self.processes:  # replace workers lost to kills
-            await self._spawn()
-        w = min(self.workers, key=lambda x: len(x.pending))
+        base_url = endpoint.base_url
+        if self.isolation != "none":
+            self.upstream = endpoint.agent_socket
+            for w in self.workers:
+                if w.relay is not None:
+                    w.relay.upstream = endpoint.agent_socket
+            base_url = agent_sandbox.inside_url(base_url)
+        while len(active := [w for w in self.workers if not w.retiring]) < self.processes:
+            await self._spawn()  # replace workers lost to kills or retired
+        w = min(active, key=lambda x: len(x.pending))
         jid = next(self._ids)
         fut = asyncio.get_running_loop().create_future()
         w.pending[jid] = fut
-        w.conn.send(("run", jid, task, base_url, api_key))
+        w.conn.send(("run", jid, task, base_url, endpoint.api_key))
         try:
             return await asyncio.shield(fut)
         except asyncio.CancelledError:
@@ -229,9 +342,7 @@ class AgentWorkers:
                     w.conn.send(("cancel", jid))
                 except OSError:
                     pass
-                t = asyncio.ensure_future(self._end_or_kill(w, fut))
-                self._reaper.add(t)
-                t.add_done_callback(self._reaper.discard)
+                self._track(self._end_or_kill(w, fut), self._watchers)
             raise
 
     async def _end_or_kill(self, w: _Worker, fut: asyncio.Future) -> None:
@@ -243,9 +354,9 @@ class AgentWorkers:
             pass
 
     async def close(self) -> None:
-        for t in list(self._reaper):
+        for t in list(self._watchers):
             t.cancel()
-        await asyncio.gather(*self._reaper, return_exceptions=True)
+        await asyncio.gather(*self._watchers, return_exceptions=True)
         workers, self.workers = list(self.workers), []
         for w in workers:
             _unwatch(w)
@@ -253,15 +364,26 @@ class AgentWorkers:
                 w.conn.send(("stop",))
             except OSError:
                 pass
-        loop = asyncio.get_running_loop()
         for w in workers:
-            await loop.run_in_executor(None, w.proc.join, 5.0)
-            w.kill()  # anything it started, and a worker that did not stop
-            await loop.run_in_executor(None, w.proc.join, 5.0)
             for fut in w.pending.values():
                 if not fut.done():
                     fut.set_exception(AgentWorkerError("the cube closed"))
-            w.conn.close()
+            self._track(self._end(w, kill=False))
+        await asyncio.gather(*self._reaper, return_exceptions=True)
+
+
+def _absolute_ref(ref: str) -> str:
+    """A ``path/file.py:function`` ref made absolute (the worker's working
+    directory is its sandbox's, not the daemon's)."""
+    target, sep, attr = ref.rpartition(":")
+    if sep and target.endswith(".py"):
+        return f"{os.path.abspath(target)}:{attr}"
+    return ref
+
+
+def _ref_files(ref: str) -> list[str]:
+    target = ref.rpartition(":")[0]
+    return [target] if target.endswith(".py") and os.path.isfile(target) else []
 
 
 def _unwatch(w: _Worker) -> None:

@@ -129,6 +129,9 @@ class AgentEndpoint(msgspec.Struct):
     # reward_source is "agent": by default no agent can post a reward, and
     # the api_key (which tools an agent runs can see) never can.
     reward_key: str = ""
+    # A unix socket serving these episode routes and nothing else (no
+    # /status, /metrics, /history): what a sandboxed agent's relay reaches.
+    agent_socket: str = ""
 
 
 class AgentTask(CubeTask):

@@ -17,7 +17,11 @@ Layers, strongest first (``SandboxLimits.isolation``):
   installation (its site-packages hidden) and nothing else: no /etc, /home,
   /root, /work, run dir or daemon files; /proc of the new pid namespace; a
   minimal /dev; a size-bounded private tmpfs /tmp holding the working dir,
-  the only writable place. Empty environment but PATH/LC_ALL/HOME/TMPDIR.
+  the only writable place. Empty environment but PATH/LC_ALL/HOME/TMPDIR:
+  the caller starts bwrap with exactly that environment, which bwrap hands
+  to the child. Never ``--setenv``: bwrap's argv is readable by every local
+  user in /proc/PID/cmdline, and an agent's environment holds its episode
+  key.
   The snippet's kernel uid is unprivileged, so RLIMIT_NPROC holds: a
   root daemon runs bwrap privileged (no user namespace) and ``setpriv``
   switches to a fresh uid from ``UID_BASE`` (one per run, so concurrent runs
@@ -139,13 +143,15 @@ def _setpriv_bin() -> str | None:
     return shutil.which("setpriv")
 
 
-def _bwrap_head(root: bool, env: dict[str, str]) -> list[str]:
-    """bwrap, its namespaces, the environment and the system's read-only
-    view: what snippets and agent commands share."""
+def _bwrap_head(root: bool) -> list[str]:
+    """bwrap, its namespaces and the system's read-only view: what snippets
+    and agents share. No environment here: the caller starts bwrap with the
+    child's (allowlisted) environment, which bwrap passes on, so no value
+    is ever on an argv (/proc/PID/cmdline is world-readable)."""
     bwrap = _bwrap_bin()
     if bwrap is None:
         raise SandboxUnavailable("bwrap not found")
-    args = [bwrap, "--die-with-parent", "--new-session", "--clearenv"]
+    args = [bwrap, "--die-with-parent", "--new-session"]
     if root:
         # Privileged bwrap, no user namespace: setpriv (_drop_privileges)
         # moves the child to an unprivileged kernel uid, where RLIMIT_NPROC holds.
@@ -153,15 +159,14 @@ def _bwrap_head(root: bool, env: dict[str, str]) -> list[str]:
                  "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
     else:
         args += ["--unshare-all", "--uid", str(NOBODY), "--gid", str(NOBODY)]
-    for k, v in env.items():
-        args += ["--setenv", k, v]
     return args + _system_binds()
 
 
-def bwrap_prefix(real_exe: str, workdir: str, env: dict[str, str], tmp_bytes: int) -> list[str]:
-    """bwrap argv for one run; ``workdir`` is the path inside, on the tmpfs."""
+def bwrap_prefix(real_exe: str, workdir: str, tmp_bytes: int) -> list[str]:
+    """bwrap argv for one run; ``workdir`` is the path inside, on the tmpfs.
+    Start it with the child's environment (``env=``), never more."""
     root = os.geteuid() == 0
-    args = _bwrap_head(root, env)
+    args = _bwrap_head(root)
     show, hide = _python_dirs(real_exe)
     args += _ro_binds(show)
     for d in hide:
@@ -205,13 +210,15 @@ AGENT_PUBLIC_ETC = ("/etc/ssl/certs", "/etc/ssl/openssl.cnf", "/etc/ca-certifica
 
 
 def agent_prefix(env: dict[str, str], ro_paths: list[str], chdir: str, tmp_bytes: int) -> list[str]:
-    """bwrap argv for an agent command (``rlnode/cubes/agent_sandbox.py``):
-    the snippets' namespaces (pid, net with loopback only, ipc, uts) and
-    fresh unprivileged uid, but with the Python installation whole (an
-    agent imports its SDKs) and ``ro_paths`` (the agent's own files, the
-    gateway relay's socket) read-only. Writable: a size-bounded /tmp."""
+    """bwrap argv for an agent (``rlnode/cubes/agent_sandbox.py``): the
+    snippets' namespaces (pid, net with loopback only, ipc, uts) and fresh
+    unprivileged uid, but with the Python installation whole (an agent
+    imports its SDKs) and ``ro_paths`` (the agent's own files, the gateway
+    relay's socket) read-only. Writable: a size-bounded /tmp. ``env`` is
+    the environment bwrap will be started with (read here for its CA paths
+    only: it is never put on the argv)."""
     root = os.geteuid() == 0
-    args = _bwrap_head(root, env)
+    args = _bwrap_head(root)
     # The private /tmp first: shown paths under the host's /tmp (the gateway
     # relay's socket) are bound over it, not hidden by it.
     args += ["--proc", "/proc", "--dev", "/dev", "--size", str(tmp_bytes), "--perms", "1777", "--tmpfs", "/tmp"]
@@ -242,7 +249,7 @@ async def _exits_zero(argv: list[str], timeout_s: float) -> bool | None:
     try:
         proc = await asyncio.create_subprocess_exec(
             *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.DEVNULL, cwd="/", start_new_session=True)
+            stderr=asyncio.subprocess.DEVNULL, cwd="/", start_new_session=True, env=PROBE_ENV)
     except OSError:
         return False
     try:
@@ -261,12 +268,16 @@ def _probe_argv(layer: Layer, real_exe: str) -> list[str]:
     # The probe imports what snippets need, as the uid they will run as, and
     # checks that the interpreter found its own stdlib (not the host's).
     if layer == "bwrap":
-        prefix = bwrap_prefix(real_exe, "/tmp/probe", {"PATH": "/usr/bin:/bin"}, 1 << 20)
+        prefix = bwrap_prefix(real_exe, "/tmp/probe", 1 << 20)
         code = f"import fractions, json.decoder, sys; assert sys.prefix == {sys.base_prefix!r}"
         return [*prefix, real_exe, "-I", "-S", "-B", "-c", code]
     code = (f"import posix; posix.setgroups([]); posix.setgid({NOBODY}); posix.setuid({NOBODY}); "
             "import fractions, json.decoder")
     return [*unshare_prefix(), real_exe, "-I", "-S", "-B", "-c", code]
+
+
+# A probe's whole environment (it runs as the sandboxed child would).
+PROBE_ENV = {"PATH": "/usr/bin:/bin"}
 
 
 async def works(layer: Layer, exe: str) -> bool:
@@ -338,10 +349,11 @@ async def choose(requested: Isolation, exe: str) -> Layer:
     return layer
 
 
-def wrap(layer: Layer, exe: str, workdir: str, env: dict[str, str], tmp_bytes: int) -> Wrap:
-    """How to start one run under ``layer`` (already chosen by ``choose``)."""
+def wrap(layer: Layer, exe: str, workdir: str, tmp_bytes: int) -> Wrap:
+    """How to start one run under ``layer`` (already chosen by ``choose``);
+    the caller starts it with the child's environment."""
     if layer == "bwrap":
-        return Wrap("bwrap", bwrap_prefix(interpreter(exe), workdir, env, tmp_bytes), -1, True, True)
+        return Wrap("bwrap", bwrap_prefix(interpreter(exe), workdir, tmp_bytes), -1, True, True)
     if layer == "unshare":
         return Wrap("unshare", unshare_prefix(), NOBODY, True, True)
     return Wrap("none", [], -1, False, False)

@@ -49,6 +49,7 @@ import msgspec
 from msgspec import Meta
 
 from rlnode.cubes import agent_sandbox
+from rlnode.cubes.agent_sandbox import AgentLimits
 from rlnode.cubes.agent_workers import AgentWorkers
 from rlnode.cubes.base import (Action, AgentEndpoint, AgentTask, Cube, CubeError, CubeTask, CubeTaskRef,
                                Evaluation, Reset, Split, StepResult, ToolSpec)
@@ -93,15 +94,21 @@ class OpenAIAgentOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=Tru
     # Names of daemon environment variables a command agent may see beyond
     # the allowlist (PATH, HOME, locale, TMPDIR, VIRTUAL_ENV, PYTHONPATH).
     pass_env: list[str] = []
-    # How a command agent is isolated: "bwrap" (its own pid and network
-    # namespaces, an unprivileged uid, a read-only view of the system, the
-    # Python installation and its own files; the gateway is the only thing
-    # it can reach: rlnode/cubes/agent_sandbox.py) or "none" (as the daemon's
-    # user, with its files and network; logged as an error).
+    # How the agent is isolated, a command's process or a function's
+    # workers alike: "bwrap" (its own pid and network namespaces, an
+    # unprivileged uid, a read-only view of the system, the Python
+    # installation and its own files, `limits`; the gateway's episode
+    # routes are the only thing it can reach: rlnode/cubes/agent_sandbox.py)
+    # or "none" (as the daemon's user, with its files, keys and network;
+    # logged as an error).
     isolation: Literal["bwrap", "none"] = "bwrap"
-    # Extra paths a sandboxed command may read (its package, data files).
-    # The files its argv names, `cwd` and PYTHONPATH are shown already.
+    # Extra paths a sandboxed agent may read (its package, data files).
+    # The files a command's argv names, a function agent's file, `cwd` and
+    # PYTHONPATH are shown already.
     ro_paths: list[str] = []
+    # What one sandbox may take: processes, memory, open files, CPU seconds,
+    # gateway connections, /tmp size (agent_sandbox.AgentLimits).
+    limits: AgentLimits = AgentLimits()
 
 
 class OpenAIAgentCube(Cube):
@@ -127,15 +134,15 @@ class OpenAIAgentCube(Cube):
     async def start(self) -> None:
         from rlnode.cubes.registry import make_cube
 
+        await agent_sandbox.check(self.opts.isolation, self.cube_id)
         if self.opts.agent:
-            self.workers = AgentWorkers(self.opts.agent, self.opts.workers)
+            o = self.opts
+            self.workers = AgentWorkers(o.agent, o.workers, o.isolation, allowed_env(o), o.ro_paths, o.limits, o.cwd)
             try:
                 await self.workers.start()
             except BaseException:
                 await self.workers.close()
                 raise
-        else:
-            await agent_sandbox.check(self.opts.isolation, self.cube_id)
         if self.opts.env is not None:
             self.inner = make_cube(f"{self.cube_id}.env", self.opts.env.kind, self.opts.env.options, self.seed)
             await self.inner.start()
@@ -213,7 +220,7 @@ class OpenAIAgentTask(AgentTask):
 
     async def run_agent(self, endpoint: AgentEndpoint, task: dict[str, Any]) -> float | None:
         if self.cube.workers is not None:
-            return _reward(await self.cube.workers.run(task, endpoint.base_url, endpoint.api_key))
+            return _reward(await self.cube.workers.run(task, endpoint))
         return await run_command(self.cube.opts, task, endpoint)
 
 
@@ -233,13 +240,19 @@ AGENT_ENV_ALLOW = ("PATH", "HOME", "LANG", "LANGUAGE", "TZ", "TMPDIR", "TERM", "
                    "PYTHONHASHSEED", "SSL_CERT_FILE", "SSL_CERT_DIR")
 
 
-def agent_env(opts: OpenAIAgentOptions, endpoint: AgentEndpoint, environ: dict[str, str] | None = None) -> dict[str, str]:
-    """A command agent's environment (the reward key is not in it: it goes on
-    stdin, which the agent's tools do not inherit)."""
+def allowed_env(opts: OpenAIAgentOptions, environ: dict[str, str] | None = None) -> dict[str, str]:
+    """What any agent (a command, a function's worker) gets of the daemon's
+    environment: the allowlist, ``pass_env`` and ``env_vars``."""
     environ = os.environ if environ is None else environ
     allowed = set(AGENT_ENV_ALLOW) | set(opts.pass_env)
     inherited = {k: v for k, v in environ.items() if k in allowed or k.startswith("LC_")}
-    return {**inherited, **opts.env_vars, "OPENAI_BASE_URL": endpoint.base_url, "OPENAI_API_KEY": endpoint.api_key,
+    return {**inherited, **opts.env_vars}
+
+
+def agent_env(opts: OpenAIAgentOptions, endpoint: AgentEndpoint, environ: dict[str, str] | None = None) -> dict[str, str]:
+    """A command agent's environment (the reward key is not in it: it goes on
+    stdin, which the agent's tools do not inherit)."""
+    return {**allowed_env(opts, environ), "OPENAI_BASE_URL": endpoint.base_url, "OPENAI_API_KEY": endpoint.api_key,
             "RLNODE_ENV_URL": endpoint.env_url, "RLNODE_MODEL": endpoint.model}
 
 
@@ -249,9 +262,15 @@ async def run_command(opts: OpenAIAgentOptions, task: dict[str, Any], endpoint: 
         return await _run(opts.command, env, opts.cwd or None, task)
     env.update(OPENAI_BASE_URL=agent_sandbox.inside_url(endpoint.base_url),
                RLNODE_ENV_URL=agent_sandbox.inside_url(endpoint.env_url))
-    async with agent_sandbox.GatewayRelay(endpoint.base_url) as relay:
-        argv = agent_sandbox.sandboxed_argv(opts.command, env, relay, opts.cwd, opts.ro_paths)
-        return await _run(argv, {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}, "/", task)
+    async with agent_sandbox.GatewayRelay(endpoint.agent_socket, opts.limits.connections) as relay:
+        argv = agent_sandbox.sandboxed_argv(opts.command, env, relay, opts.cwd, opts.ro_paths, opts.limits)
+        try:
+            return await _run(argv, agent_sandbox.inside_env(env), "/", task)
+        except CubeError as e:
+            if relay.refused:
+                raise CubeError(f"{e} (and it opened more than {opts.limits.connections} gateway connections at "
+                                "once: limits.connections)") from e
+            raise
 
 
 async def _run(argv: list[str], env: dict[str, str], cwd: str | None, task: dict[str, Any]) -> None:

@@ -389,7 +389,7 @@ async def _command(limits: SandboxLimits, workdir: str) -> tuple[list[str], isol
         raise SandboxError(str(e)) from e
     inside = "/tmp/" + os.path.basename(workdir) if layer == "bwrap" else workdir
     env = {"PATH": "/usr/bin:/bin", "LC_ALL": "C.UTF-8", "HOME": inside, "TMPDIR": inside}
-    wrap = isolation.wrap(layer, exe, inside, env, limits.tmp_mib * MiB)
+    wrap = isolation.wrap(layer, exe, inside, limits.tmp_mib * MiB)
     if layer == "bwrap":
         exe = isolation.interpreter(exe)
     args = (limits.cpu_seconds, limits.memory_mib * MiB, limits.max_file_bytes, limits.max_open_files,

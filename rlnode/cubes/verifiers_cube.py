@@ -55,6 +55,7 @@ verifiers import is lazy: rlnode runs without the extra.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import importlib
 import os
@@ -168,26 +169,57 @@ def env_config(env: str, env_args: dict[str, Any]):
     return vf.resolve_env_config(args)
 
 
+# Episode keys by variable name, read by verifiers as if from os.environ
+# (_KeyedEnviron), never written there.
+_EPISODE_KEYS: dict[str, str] = {}
+
+
+class _KeyedEnviron:
+    """The ``os`` that verifiers' ``configs/client.py`` sees: the real module,
+    but ``environ`` also holds the open episodes' gateway keys.
+
+    Why: verifiers 0.4 takes an endpoint's key only from
+    ``os.environ[client.api_key_var]`` (``resolve_api_key``, read when the
+    interception builds its client and again on every ``/v1/models`` relay);
+    its client config has no key field, and a key in ``headers`` is
+    overwritten by the dialect's ``Bearer EMPTY``. Writing the key into the
+    process's environment would hand it to every process any thread starts
+    meanwhile (and mutate environ under a concurrent fork). This view makes
+    the key readable by that one module and nobody else."""
+
+    def __getattr__(self, name: str):
+        return getattr(os, name)
+
+    @property
+    def environ(self) -> collections.ChainMap:
+        return collections.ChainMap(_EPISODE_KEYS, os.environ)
+
+
+def _install_keyed_environ() -> None:
+    module = importlib.import_module("verifiers.v1.configs.client")
+    current = getattr(module, "os", None)
+    if isinstance(current, _KeyedEnviron):
+        return
+    if current is not os or not callable(getattr(module, "resolve_api_key", None)):
+        raise CubeError("this verifiers release does not read endpoint keys as rlnode expects "
+                        "(verifiers.v1.configs.client.resolve_api_key over os.environ)")
+    module.os = _KeyedEnviron()
+
+
 @contextlib.contextmanager
 def api_key_var(key: str) -> Iterator[str]:
-    """The episode's gateway key as an environment variable, for its lifetime.
-
-    Why os.environ: verifiers 0.4 takes an endpoint's key only from
-    ``os.environ[client.api_key_var]`` (``configs/client.py``
-    ``resolve_api_key``, read when the interception builds its client and
-    again on every ``/v1/models`` relay); its client config has no key field,
-    and a key in ``headers`` is overwritten by the dialect's ``Bearer EMPTY``.
-    The narrowest form of it: a variable name per episode (concurrent
-    episodes never share or overwrite one), set and removed on the actor's
-    loop thread around the episode, its name containing API_KEY, which
-    verifiers' subprocess runtime strips from its children. The key itself is
-    the gateway's for this one episode: it opens nothing once the episode ends."""
+    """The episode's gateway key under a variable name of its own (concurrent
+    episodes never share or overwrite one), readable by verifiers'
+    ``resolve_api_key`` alone (``_KeyedEnviron``) for the episode's lifetime.
+    The key is the gateway's for this one episode: it opens nothing once the
+    episode ends."""
+    _install_keyed_environ()
     var = f"RLNODE_VF_API_KEY_{secrets.token_hex(8)}"
-    os.environ[var] = key
+    _EPISODE_KEYS[var] = key
     try:
         yield var
     finally:
-        os.environ.pop(var, None)
+        _EPISODE_KEYS.pop(var, None)
 
 
 def _load(env: str, env_args: dict[str, Any], count: int):

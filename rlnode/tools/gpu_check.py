@@ -37,6 +37,7 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -109,7 +110,8 @@ def plan(device: str, work: Path) -> list[Step]:
     # openai-SDK agent through the gateway vs the native agent loop at one
     # token per call (README's gateway bench; 0.43 on the lent H200).
     steps.append(Step("gateway", [_rlnode("bench", "gateway", *base, *_device_sets(device, tiny, str(work / "gateway")),
-                                          "--max-tokens", "1", "--rounds", "3", "--json")],
+                                          "--max-tokens", "1", "--rounds", "3", "--json",
+                                          "--agent-isolation", "bwrap" if shutil.which("bwrap") else "none")],
                       timeout_s=240))
     run_dir = str(work / "run")
     steps.append(Step("run", [_rlnode("--role", "all", *base, *_device_sets(device, tiny, run_dir),

@@ -8,6 +8,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import os
+import shutil
+import tempfile
 import time
 from typing import Any, AsyncIterator, Callable
 
@@ -37,6 +40,11 @@ class Gateway:
         self.client, self.renderer, self.settings = client, renderer, settings
         self.model_name = model_name
         self.url = ""  # http://HOST:PORT of whoever serves the routes (set by serve() or the daemon)
+        # A unix socket serving the episode routes and nothing else: what
+        # sandboxed agents reach, through their relay (rlnode/cubes/
+        # agent_sandbox.py). The TCP port above may be the ops endpoint's,
+        # which also serves /status, /metrics and /history.
+        self.agent_socket = ""
         self.sessions: dict[str, GatewaySession] = {}
         self.stats = GatewayStats()
 
@@ -52,7 +60,7 @@ class Gateway:
     @contextlib.asynccontextmanager
     async def serve(self, host: str = "127.0.0.1", port: int = 0) -> AsyncIterator["Gateway"]:
         """Serve on a site of its own (an actor without its ops endpoint,
-        tests, benchmarks)."""
+        tests, benchmarks), and the agents' socket."""
         app = web.Application(client_max_size=MAX_REQUEST_BYTES)
         self.add_routes(app)
         runner = web.AppRunner(app, access_log=None)
@@ -62,9 +70,32 @@ class Gateway:
             await site.start()
             bound = site._server.sockets[0].getsockname()
             self.url = f"http://{local_url_host(host)}:{bound[1]}"
-            yield self
+            async with self.serve_agents():
+                yield self
         finally:
             await runner.cleanup()
+
+    @contextlib.asynccontextmanager
+    async def serve_agents(self) -> AsyncIterator[str]:
+        """The agents' socket: the episode routes alone, on a unix socket in
+        a private directory (0711: a sandbox's uid may connect to the socket
+        bound into it, nobody may list the directory)."""
+        app = web.Application(client_max_size=MAX_REQUEST_BYTES)
+        self.add_routes(app)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        home = await asyncio.to_thread(tempfile.mkdtemp, prefix="rlnode-gateway-")
+        try:
+            os.chmod(home, 0o711)
+            path = os.path.join(home, "agents.sock")
+            await web.UnixSite(runner, path).start()
+            os.chmod(path, 0o666)
+            self.agent_socket = path
+            yield path
+        finally:
+            self.agent_socket = ""
+            await runner.cleanup()
+            await asyncio.to_thread(shutil.rmtree, home, True)
 
     @contextlib.asynccontextmanager
     async def session(self, episode_id: str, task: CubeTask | None = None, settings: EpisodeSettings | None = None,

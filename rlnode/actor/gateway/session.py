@@ -100,7 +100,8 @@ class GatewaySession:
     @property
     def endpoint(self) -> AgentEndpoint:
         root = f"{self.gateway.url}/episodes/{self.token}"
-        return AgentEndpoint(f"{root}/v1", self.api_key, f"{root}/env", self.gateway.model_name, self.reward_key)
+        return AgentEndpoint(f"{root}/v1", self.api_key, f"{root}/env", self.gateway.model_name, self.reward_key,
+                             self.gateway.agent_socket)
 
     def check_key(self, request: web.Request, key: str | None = None) -> None:
         key = self.api_key if key is None else key

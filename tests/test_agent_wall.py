@@ -1,0 +1,152 @@
+"""One wall for every agent kind (rlnode/cubes/agent_sandbox.py): a command
+agent's process and a function agent's workers run sandboxed, with an
+allowlisted environment, no run dir, no link keys, rlimits, and the
+gateway's episode routes as their only way out. Each test plays what a tool
+call the policy got the agent to run could try."""
+
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+
+import aiohttp
+import msgspec
+import pytest
+
+from rlnode.config import load_config
+from rlnode.cubes.base import CubeError
+from rlnode.link.curve import auto_keys
+from rlnode.link.trainer_link import TrainerLink
+from rlnode.link.validate import GroupLimits
+from rlnode.wire import EngineInfo, Register
+
+from test_agent_cube import FIXTURES, close_cubes, gateway, play, router, sandbox_uid_processes, started, tasks_file  # noqa: F401
+from test_link import ANY_PORT, FAST
+
+pytestmark = pytest.mark.engine
+
+KINDS = ["function", "command"]
+
+
+def agent(kind: str, name: str) -> dict:
+    """Options running fixture ``name`` as a function agent or a command."""
+    if kind == "function":
+        return {"agent": f"{FIXTURES}:{name}"}
+    return {"command": [sys.executable, str(FIXTURES), name]}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_an_agent_reaches_the_gateway_and_nothing_else(kind, gateway, tmp_path, monkeypatch):
+    """The daemon's /proc and environment, a secret file and the run dir,
+    the link port on loopback, the internet, writing outside its /tmp: all
+    refused, for a function agent's worker as for a command."""
+    import socket
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    secret = run_dir / "curve.key_secret"
+    secret.write_text("secret")
+    monkeypatch.setenv("HF_TOKEN", "hf-secret")
+    link = socket.create_server(("127.0.0.1", 0))  # stands for the link's loopback port
+    try:
+        env = {"DAEMON_PID": str(os.getpid()), "SECRET_FILE": str(secret), "RUN_DIR": str(run_dir),
+               "LINK_PORT": str(link.getsockname()[1])}
+        cube = await started({**agent(kind, "escape"), "tasks": tasks_file(tmp_path), "env_vars": env})
+        with pytest.raises(CubeError) as e:
+            await play(gateway, cube)
+    finally:
+        link.close()
+    got = json.loads(str(e.value).split("REPORT ", 1)[1].rstrip(")"))
+    assert gateway.stats.calls == 1  # the gateway was reachable
+    assert got.pop("uid") != 0 and got.pop("secrets_in_env") == []
+    assert all(v.startswith("refused") for v in got.values()), got
+    assert not (run_dir / "planted").exists()
+    await cube.close()
+    assert sandbox_uid_processes() == []
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_an_agent_cannot_take_the_nodes_link_keys(kind, gateway, tmp_path):
+    """The node's real CURVE keys (auto_keys, as for an agent cube) and a
+    real trainer link under them: the agent cannot read the key files, and
+    its Register and GroupDelivery (real frames, for the real node id) reach
+    no trainer: nothing registered, nothing accepted, no frame even seen."""
+    from rlnode.bench.fuzz import FrameMaker
+
+    run_dir = tmp_path / "run"
+    keys = auto_keys(run_dir, "n1")
+    link = TrainerLink(ANY_PORT, msgspec.structs.replace(FAST, curve_dir=keys))
+    await link.start()
+    try:
+        limits = GroupLimits.from_config(load_config(None, []), 256)
+        frames = {"register": Register("n1", "stolen", [EngineInfo(0, 1)]),
+                  "deliver": FrameMaker(limits, "n1").valid_group(0)}
+        env = {"KEY_DIR": keys, "NODE_ID": "n1", "LINK_PORT": link.endpoint.rsplit(":", 1)[1],
+               "FRAMES": json.dumps({k: msgspec.msgpack.encode(v).hex() for k, v in frames.items()})}
+        cube = await started({**agent(kind, "steal"), "tasks": tasks_file(tmp_path), "env_vars": env})
+        with pytest.raises(CubeError) as e:
+            await play(gateway, cube)
+        got = json.loads(str(e.value).split("REPORT ", 1)[1].rstrip(")"))
+        assert all(v.startswith("refused") for v in got.values()), got
+        c = link.counters
+        assert (c.frames_in, c.registrations, c.groups_accepted) == (0, 0, 0) and not link.peers()
+    finally:
+        await link.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("abuse", ["bomb", "hog", "flood"])
+async def test_an_agent_past_its_limits_fails_its_episode_alone(kind, abuse, gateway, tmp_path):
+    """A fork bomb, 10,000 gateway connections and a 2 GiB memory hog each
+    end as that episode's error (the limit held: the agent was refused),
+    while another agent's episodes, started at the same time, score."""
+    limits = {"processes": 64, "memory_mib": 1024, "open_files": 256}
+    bad = await started({**agent(kind, abuse), "tasks": tasks_file(tmp_path), "limits": limits}, "bad")
+    good = await started({"agent": f"{FIXTURES}:returns_reward", "tasks": tasks_file(tmp_path)}, "good")
+    outcomes = await asyncio.gather(play(gateway, bad, "g0/e0"), play(gateway, good, "g1/e0"),
+                                    play(gateway, good, "g1/e1"), return_exceptions=True)
+    assert isinstance(outcomes[0], CubeError), outcomes[0]
+    assert ("LIMIT" in str(outcomes[0])), outcomes[0]
+    assert [o[1].reward for o in outcomes[1:]] == [0.25, 0.25]
+    # The gateway serves on: one more episode after the abuse.
+    assert (await play(gateway, good, "g2/e0"))[1].reward == 0.25
+
+
+async def test_no_secret_is_on_any_argv_while_an_agent_runs(gateway, tmp_path):
+    """/proc/PID/cmdline is world-readable: while a sandboxed command agent
+    and a function agent's worker run, no process's argv holds an episode's
+    key or tokened URL (bwrap is started with the environment instead)."""
+    cmd = await started({**agent("command", "sleep"), "tasks": tasks_file(tmp_path), "env_vars": {"SLEEP_S": "4"}})
+    fn = await started({"agent": f"{FIXTURES}:returns_reward", "tasks": tasks_file(tmp_path)}, "fn")
+    episode = asyncio.ensure_future(play(gateway, cmd))
+    seen: list[str] = []
+    for _ in range(40):
+        await asyncio.sleep(0.1)
+        tokens = [s.token for s in gateway.sessions.values()] + [s.api_key for s in gateway.sessions.values()]
+        for proc in Path("/proc").iterdir():
+            try:
+                argv = (proc / "cmdline").read_bytes().decode(errors="replace")
+            except OSError:
+                continue
+            seen += [argv[:200] for t in tokens if t in argv]
+            seen += [argv[:200] for marker in ("--setenv", "OPENAI_API_KEY") if marker in argv]
+    with pytest.raises(CubeError, match="no reward"):  # it only slept
+        await episode
+    assert fn.workers.workers and not seen, seen
+
+
+async def test_the_agents_socket_serves_the_episode_routes_alone(gateway):
+    """What sandboxed agents reach (their relay's upstream): the episode
+    routes; the ops routes (/status, /metrics, /history, /) are not there."""
+    conn = aiohttp.UnixConnector(path=gateway.agent_socket)
+    async with aiohttp.ClientSession(connector=conn) as http:
+        for path in ("/status", "/metrics", "/history", "/", "/healthz"):
+            async with http.get(f"http://gateway{path}") as r:
+                assert r.status == 404, path
+        async with gateway.session("e0") as s:
+            async with http.get(f"http://gateway/episodes/{s.token}/v1/models",
+                                headers={"Authorization": f"Bearer {s.api_key}"}) as r:
+                assert r.status == 200
+    assert Path(gateway.agent_socket).stat().st_mode & 0o777 == 0o666
+    assert Path(gateway.agent_socket).parent.stat().st_mode & 0o777 == 0o711
