@@ -162,6 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--agent-isolation", choices=("bwrap", "none"), default="bwrap",
                        help="gateway: the openai-agent cube's isolation (default bwrap, as a cube has it; none on a "
                        "host without bubblewrap: the agents then run as the daemon's user)")
+    bench.add_argument("--gateway-host", choices=("config", "inline", "process"), default="config",
+                       help="gateway: where the gateway runs (actor.gateway_host): inline on the daemon's loop, "
+                       "process in a gateway host process; config (default) takes the config's")
     bench.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     return p
 

@@ -229,6 +229,18 @@ class ActorConfig(_Section):
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     # The cubes this actor trains and evaluates on ([[actor.cubes]] tables).
     cubes: list[CubeConfig] = []
+    # Where the OpenAI-compatible gateway (external agents' episodes) runs.
+    # "inline": on the daemon's event loop, which also carries vLLM's
+    # outputs, the link and the scheduler (one core for all of it).
+    # "process": its HTTP side and per-call text work (history matching,
+    # chat template, tokenizing, tool/reasoning parsing) in a gateway host
+    # process of its own, on its own cores, talking to the daemon over one
+    # typed channel; the daemon keeps admission, the engine call and the
+    # samples (rlnode/actor/gateway/hosted.py). The host then listens on a
+    # loopback port of its own (never the ops endpoint's) and the agents'
+    # socket; a host that dies fails its open episodes (retried) and is
+    # restarted.
+    gateway_host: Literal["inline", "process"] = "inline"
 
 
 class LossConfig(_Section):

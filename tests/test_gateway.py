@@ -1,5 +1,8 @@
 """The OpenAI-compatible gateway with the real openai client and the real
-engine: completions, streaming, history parity, auth, errors, no leaks."""
+engine: completions, streaming, history parity, auth, errors, no leaks.
+The tests taking ``mode`` run against both places the gateway can run
+(``actor.gateway_host``): "inline" on this loop, "process" in a gateway
+host process (more of its own in test_gateway_host.py)."""
 
 import asyncio
 
@@ -12,9 +15,10 @@ import torch
 from conftest import assert_engine_idle, reference_logprobs
 from rlnode.actor.engine import SamplingSettings
 from rlnode.actor.episode import ChatRenderer, EpisodeSettings
-from rlnode.actor.gateway import Gateway, _stream_safe
+from rlnode.actor.gateway import Gateway, HostedGateway, _stream_safe
 from rlnode.actor.generation import LLMClient
 from rlnode.actor.router import AdmissionRouter
+from rlnode.config import ModelConfig
 
 pytestmark = pytest.mark.engine
 
@@ -26,9 +30,28 @@ def router():
     return AdmissionRouter(1, 16)
 
 
+@pytest.fixture(params=["inline", "process"])
+def mode(request):
+    return request.param
+
+
 @pytest.fixture
-async def gateway(engine, tokenizer, router):
-    gw = Gateway(LLMClient([engine], router), ChatRenderer(tokenizer), SETTINGS, model_name="tiny")
+def make_gateway(mode, engine, tokenizer, tiny_model_dir):
+    """The gateway in ``mode``: inline (a ChatRenderer of the test's
+    tokenizer) or a host process (which builds the same from the model dir)."""
+
+    def make(router, settings=SETTINGS, model_name="rlnode"):
+        client = LLMClient([engine], router)
+        if mode == "process":
+            return HostedGateway(client, ModelConfig(path=str(tiny_model_dir)), settings, model_name=model_name)
+        return Gateway(client, ChatRenderer(tokenizer), settings, model_name=model_name)
+
+    return make
+
+
+@pytest.fixture
+async def gateway(make_gateway, engine, router):
+    gw = make_gateway(router, model_name="tiny")
     async with gw.serve():
         yield gw
     assert router.in_flight == [0]
@@ -131,6 +154,7 @@ async def test_tokens_and_keys_are_checked(gateway):
         await late.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}])
     await late.close()
     assert e.value.body["code"] == "episode_not_found"
+    await gateway.sync()  # a host's counters
     assert not s.calls and gateway.stats.unauthorized == 3
 
 
@@ -162,12 +186,12 @@ async def test_lower_temperature_is_the_samples_temperature(gateway, hf_model):
     check_parity(s.calls, hf_model)
 
 
-async def test_a_temperature_below_the_floor_is_raised_to_it(engine, tokenizer, router, hf_model):
+async def test_a_temperature_below_the_floor_is_raised_to_it(make_gateway, router, hf_model):
     """An agent asking for T = 0.05 would make the trainer refuse the whole
     group (and scale its gradients by 1/T): it is sampled, recorded and
     scored at actor.sampling.min_temperature, and counted."""
     floored = msgspec.structs.replace(SETTINGS, min_temperature=0.25)
-    gw = Gateway(LLMClient([engine], router), ChatRenderer(tokenizer), SETTINGS)
+    gw = make_gateway(router)
     async with gw.serve():
         async with gw.session("ep-floor", settings=floored) as s:
             client = client_for(s)
@@ -178,15 +202,16 @@ async def test_a_temperature_below_the_floor_is_raised_to_it(engine, tokenizer, 
     check_parity(s.calls, hf_model)
 
 
-async def test_max_turns_and_context_limit_end_the_episode(engine, tokenizer, router):
+async def test_max_turns_and_context_limit_end_the_episode(make_gateway, router):
     settings = EpisodeSettings(SamplingSettings(max_tokens=8), max_turns=2, max_model_len=2048)
-    gw = Gateway(LLMClient([engine], router), ChatRenderer(tokenizer), settings)
+    gw = make_gateway(router, settings)
     async with gw.serve(), gw.session("ep-limits") as s:
         client = client_for(s)
         for _ in range(2):
             await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
         with pytest.raises(openai.BadRequestError) as e:
             await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+        await s.settle()  # what a host decided is known here
         assert e.value.body["code"] == "max_turns_exceeded" and s.terminated == "max_turns"
         async with gw.session("ep-long") as s2:
             c2 = client_for(s2)
@@ -350,9 +375,9 @@ async def test_mounted_on_the_ops_endpoint_behind_its_token(engine, tokenizer, r
         await ops.close()
 
 
-async def test_greedy_evaluation_settings_win_over_the_agents_temperature(engine, tokenizer, router):
+async def test_greedy_evaluation_settings_win_over_the_agents_temperature(make_gateway, router):
     greedy = EpisodeSettings(SamplingSettings(max_tokens=8, temperature=0.0), max_turns=4, max_model_len=2048)
-    gw = Gateway(LLMClient([engine], router), ChatRenderer(tokenizer), SETTINGS)
+    gw = make_gateway(router)
     outs = []
     async with gw.serve():
         for _ in range(2):

@@ -30,7 +30,7 @@ import time
 from typing import Awaitable, Callable
 
 from rlnode.actor.episode import EpisodeResult, EpisodeSettings, check_reward, training_sample
-from rlnode.actor.gateway import Gateway, GatewaySession
+from rlnode.actor.gateway import Gateway, GatewayHostLost, GatewaySession
 from rlnode.cubes.agent_workers import AgentWorkerError
 from rlnode.cubes.base import AgentTask, CubeError
 from rlnode.log import get_logger
@@ -90,14 +90,18 @@ async def _contained(agent: Awaitable[float | None]) -> float | None:
 
 async def _drive(task: AgentTask, s: GatewaySession, payload: dict) -> float | None:
     try:
-        return await asyncio.wait_for(_contained(task.run_agent(s.endpoint, payload)), task.timeout_s)
+        return await asyncio.wait_for(s.guard(_contained(task.run_agent(s.endpoint, payload))), task.timeout_s)
     except asyncio.TimeoutError:
+        await s.settle()
         if s.terminated:
             return None
         raise AgentFailed(f"agent timed out after {task.timeout_s:g}s ({len(s.calls)} LLM calls)") from None
     except asyncio.CancelledError:
         raise
+    except GatewayHostLost:  # the gateway's process died: this episode fails, the next ones get a new one
+        raise
     except BaseException as e:  # foreign code: SystemExit, KeyboardInterrupt, ... fail this episode only
+        await s.settle()  # a refusal the agent broke on is known here before it is asked about
         if s.terminated:  # the gateway ended the episode; the agent broke on the refusal
             log.info("agent.stopped_by_gateway", episode=s.episode_id, reason=s.terminated, error=repr(e))
             return None

@@ -22,7 +22,7 @@ import msgspec
 
 from rlnode.actor.engine import Engine, SamplingSettings, fp32_lm_head_enabled
 from rlnode.actor.episode import ChatRenderer, EpisodeSettings, check_tools_rendered, make_renderer
-from rlnode.actor.gateway import Gateway
+from rlnode.actor.gateway import Gateway, HostedGateway
 from rlnode.actor.generation import LLMClient
 from rlnode.actor.router import AdmissionRouter
 from rlnode.actor.scheduler import Group, RolloutScheduler, VersionSource
@@ -106,11 +106,17 @@ class ActorDaemon:
             ecfg.num_engines, cfg.actor.router.llm_max_rollouts, cfg.actor.router.affinity
         )
         self.client = LLMClient(self.engines, self.router)
-        # External agents' OpenAI endpoint; served on the ops HTTP endpoint
-        # (add_http_routes) or, without one, on a loopback port of its own.
-        # Its renderer is set at start (it needs the tokenizer).
-        self.gateway = Gateway(self.client, None, episode_settings(cfg),
-                               model_name=os.path.basename(os.path.normpath(cfg.model.path)) or "rlnode")
+        # External agents' OpenAI endpoint. Inline: served on the ops HTTP
+        # endpoint (add_http_routes) or, without one, on a loopback port of
+        # its own; its renderer is set at start (it needs the tokenizer).
+        # In a host process (actor.gateway_host): on a loopback port of its own.
+        model_name = os.path.basename(os.path.normpath(cfg.model.path)) or "rlnode"
+        self.renderer: ChatRenderer | None = None
+        self.gateway: Gateway | HostedGateway
+        if cfg.actor.gateway_host == "process":
+            self.gateway = HostedGateway(self.client, cfg.model, episode_settings(cfg), model_name=model_name)
+        else:
+            self.gateway = Gateway(self.client, None, episode_settings(cfg), model_name=model_name)
         self._gateway_site = contextlib.AsyncExitStack()
         self.versions = VersionSource(0)
         self.cubes: dict[str, Cube] = {}
@@ -130,7 +136,7 @@ class ActorDaemon:
             if self.cubes:
                 # Before the engines: a parser name or a chat template that
                 # cannot work is refused in seconds, not after their start.
-                self.gateway.renderer = await self._make_renderer()
+                self.renderer = self.gateway.renderer = await self._make_renderer()
             # Sequential on purpose: concurrent engine starts on one host
             # race for memory and CPU and make start-up failures ambiguous.
             for engine in self.engines:
@@ -139,7 +145,8 @@ class ActorDaemon:
                 await prepare_engine(engine)
             if self.cubes:
                 self.scheduler = await self._make_scheduler()
-                if not self.gateway.url:  # no ops endpoint: the gateway listens on its own (loopback)
+                # No ops endpoint, or a gateway host: the gateway listens on its own (loopback).
+                if not self.gateway.url or self._hosted:
                     await self._gateway_site.enter_async_context(self.gateway.serve("127.0.0.1", 0))
                 else:  # the ops endpoint serves the routes; sandboxed agents get the episode routes alone
                     await self._gateway_site.enter_async_context(self.gateway.serve_agents())
@@ -169,7 +176,7 @@ class ActorDaemon:
         cfg = self.cfg
         sched = RolloutScheduler(
             self.cubes, {c.id: c.weight for c in cfg.actor.cubes}, [c.id for c in cfg.actor.cubes if c.eval],
-            self.client, self.gateway.renderer,
+            self.client, self.renderer,
             msgspec.structs.replace(cfg.actor.scheduler, max_lag=effective_max_lag(cfg)),
             episode_settings(cfg), self.versions,
             seed=cfg.run.seed, on_eval=self._on_eval, id_prefix=f"{self.node_id}-{self.incarnation}-",
@@ -351,7 +358,12 @@ class ActorDaemon:
         self.gateway.add_routes(app)
 
     def http_bound(self, url: str) -> None:
-        self.gateway.url = url
+        if not self._hosted:  # a gateway host listens on its own port
+            self.gateway.url = url
+
+    @property
+    def _hosted(self) -> bool:
+        return isinstance(self.gateway, HostedGateway)
 
     # -- observability (read by rlnode.ops.http; never changes state) ---------------
 

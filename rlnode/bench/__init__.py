@@ -101,7 +101,8 @@ def run_bench(name: str, cfg: Config, args) -> int:
         from rlnode.bench.gateway import bench_gateway, print_table
 
         res = asyncio.run(bench_gateway(cfg, args.concurrency, args.requests, args.max_tokens, args.rounds, log,
-                                        engine=args.engine, isolation=args.agent_isolation))
+                                        engine=args.engine, isolation=args.agent_isolation,
+                                        gateway_host=None if args.gateway_host == "config" else args.gateway_host))
         if args.json:
             print(msgspec.json.encode(res).decode())
         else:

@@ -40,6 +40,10 @@ Gateway capacity (``--engine null``): the same run on a ``NullEngine``
 The engine then costs nothing and the figures are the gateway's own:
 ``calls_per_s`` is what one node carries through it (given the cores left
 to the agents), the CPU ms per call of each process where it goes.
+
+``--gateway-host process`` (``actor.gateway_host``): the gateway's HTTP side
+and text work run in a host process of their own; ``host_ms_per_call`` is
+its CPU, the daemon's (and its loop thread's) what is left in the daemon.
 """
 
 from __future__ import annotations
@@ -57,11 +61,11 @@ import msgspec
 from rlnode.actor.agent_episode import run_agent_episode
 from rlnode.actor.engine import Engine, SamplingSettings
 from rlnode.actor.episode import ChatRenderer, EpisodeResult, EpisodeSettings, make_renderer, run_episode
-from rlnode.actor.gateway import Gateway
+from rlnode.actor.gateway import Gateway, HostedGateway
 from rlnode.actor.generation import LLMClient
 from rlnode.actor.router import AdmissionRouter
 from rlnode.bench.null_engine import NullEngine, guess_replies, space_id, uniform_logprob
-from rlnode.config import Config
+from rlnode.config import Config, ModelConfig
 from rlnode.cubes.base import CubeTask, ToolSpec
 from rlnode.cubes.registry import make_cube
 
@@ -96,6 +100,8 @@ class GatewayBenchResult(msgspec.Struct):
     loop_ms_per_call: dict[str, float] = {}  # per mode: the daemon's event-loop thread, CPU per call
     engine: str = "vllm"  # "vllm" | "null" (NullEngine: the gateway's capacity)
     gateway_calls: int = 0  # chat completions the gateway answered, warm-up rounds included
+    gateway_host: str = "inline"  # actor.gateway_host: "inline" | "process"
+    host_ms_per_call: float = 0.0  # the gateway host process, CPU per gateway call (process only)
 
 
 class RoundStats(msgspec.Struct, array_like=True):
@@ -107,6 +113,7 @@ class RoundStats(msgspec.Struct, array_like=True):
     agent_cpu_s: float = 0.0  # the agent's worker processes
     engine_cpu_s: float = 0.0  # the engine's processes (core and workers)
     loop_cpu_s: float = 0.0  # of daemon_cpu_s: the event-loop thread
+    host_cpu_s: float = 0.0  # the gateway host process (actor.gateway_host = "process")
 
 
 class Advertised(CubeTask):
@@ -182,7 +189,8 @@ def _engine_pids() -> list[int]:
 
 async def play_round(play_one: Callable[[int], Awaitable[EpisodeResult]], episodes: int,
                      concurrency: int, agent_pids: Callable[[], list[int]] = lambda: [],
-                     engine_pids: Callable[[], list[int]] = _engine_pids) -> RoundStats:
+                     engine_pids: Callable[[], list[int]] = _engine_pids,
+                     host_pids: Callable[[], list[int]] = lambda: []) -> RoundStats:
     """One round; runs on (and so measures) the daemon's event-loop thread."""
     sem = asyncio.Semaphore(concurrency)
 
@@ -194,12 +202,13 @@ async def play_round(play_one: Callable[[int], Awaitable[EpisodeResult]], episod
     # interpreter inside it.
     roots = agent_pids()
     agents = set(roots) | set(_descendants(roots))
-    engine = [p for p in engine_pids() if p not in agents]
-    cpu0 = (time.process_time(), _cpu_s(agents), _cpu_s(engine), time.thread_time())
+    hosts = host_pids()
+    engine = [p for p in engine_pids() if p not in agents and p not in hosts]
+    cpu0 = (time.process_time(), _cpu_s(agents), _cpu_s(engine), time.thread_time(), _cpu_s(hosts))
     t0 = time.perf_counter()
     results = await asyncio.gather(*(one(i) for i in range(episodes)))
     wall = time.perf_counter() - t0
-    cpu1 = (time.process_time(), _cpu_s(agents), _cpu_s(engine), time.thread_time())
+    cpu1 = (time.process_time(), _cpu_s(agents), _cpu_s(engine), time.thread_time(), _cpu_s(hosts))
     tokens = sum(len(s.completion_ids) // 4 for r in results for s in r.samples)  # int32 ids
     return RoundStats(wall, tokens, len(results), sum(len(r.samples) for r in results),
                       *(b - a for a, b in zip(cpu0, cpu1)))
@@ -207,10 +216,13 @@ async def play_round(play_one: Callable[[int], Awaitable[EpisodeResult]], episod
 
 async def compare(client: LLMClient, renderer: ChatRenderer, settings: EpisodeSettings, game: dict, seed: int,
                   episodes: int, concurrency: int, rounds: int, log=print, engine: str = "vllm",
-                  agent_workers: int = 2, isolation: str = "bwrap") -> GatewayBenchResult:
+                  agent_workers: int = 2, isolation: str = "bwrap", gateway_host: str = "inline",
+                  model: ModelConfig | None = None) -> GatewayBenchResult:
     """Both modes on an engine the caller started (tests reuse theirs).
     ``engine``: what ``client`` runs on, "vllm" (its processes are this
-    process's children) or "null" (no processes: engine CPU is 0)."""
+    process's children) or "null" (no processes: engine CPU is 0).
+    ``gateway_host``: "inline" or "process" (then ``model``: the host's
+    tokenizer, template and parsers, those ``renderer`` was made with)."""
     example = load_example()
     tools = [ToolSpec(**example.GUESS_TOOL["function"])]
     engine_pids = _engine_pids if engine == "vllm" else (lambda: [])
@@ -220,7 +232,10 @@ async def compare(client: LLMClient, renderer: ChatRenderer, settings: EpisodeSe
                                                      "isolation": isolation}, seed)
     await native_cube.start(), await agent_cube.start()
     ids = await native_cube.task_ids("train")
-    gateway = Gateway(client, renderer, settings, model_name="bench")
+    if gateway_host == "process":
+        gateway = HostedGateway(client, model, settings, model_name="bench")
+    else:
+        gateway = Gateway(client, renderer, settings, model_name="bench")
     per_mode: dict[str, list[RoundStats]] = {m: [] for m in MODES}
     try:
         async with gateway.serve():
@@ -238,22 +253,28 @@ async def compare(client: LLMClient, renderer: ChatRenderer, settings: EpisodeSe
             def agent_pids() -> list[int]:
                 return [w.proc.pid for w in agent_cube.workers.workers]
 
+            def host_pids() -> list[int]:
+                return [gateway.host_pid] if gateway_host == "process" else []
+
             for mode in MODES:  # warm-up, untimed
                 await play_round(player(mode, f"warm-{mode}"), concurrency, concurrency, engine_pids=engine_pids)
             for r in range(rounds):
                 for mode in (MODES if r % 2 == 0 else MODES[::-1]):
                     st = await play_round(player(mode, f"r{r}-{mode}"), episodes, concurrency, agent_pids,
-                                          engine_pids)
+                                          engine_pids, host_pids)
                     per_mode[mode].append(st)
                     log(f"  {mode:<7} round {r}: {st.episodes} episodes, {st.calls} calls, {st.tokens} tokens "
                         f"in {st.wall_s:.2f}s = {st.calls / st.wall_s:.0f} calls/s, {st.tokens / st.wall_s:.0f} "
                         f"tok/s; CPU ms/call: daemon {1e3 * st.daemon_cpu_s / st.calls:.2f} (loop thread "
-                        f"{1e3 * st.loop_cpu_s / st.calls:.2f}), agent {1e3 * st.agent_cpu_s / st.calls:.2f}, "
+                        f"{1e3 * st.loop_cpu_s / st.calls:.2f}), host {1e3 * st.host_cpu_s / st.calls:.2f}, "
+                        f"agent {1e3 * st.agent_cpu_s / st.calls:.2f}, "
                         f"engine {1e3 * st.engine_cpu_s / st.calls:.2f}")
     finally:
         await native_cube.close(), await agent_cube.close()
     res = _result(per_mode, gateway.stats.history_resets, episodes, concurrency, settings, rounds, game, engine)
     res.gateway_calls = gateway.stats.calls
+    res.gateway_host = gateway_host
+    res.host_ms_per_call = statistics.median(1e3 * s.host_cpu_s / s.calls for s in per_mode["gateway"])
     return res
 
 
@@ -291,9 +312,11 @@ def null_engine(renderer: ChatRenderer, game: dict) -> NullEngine:
 
 
 async def bench_gateway(cfg: Config, concurrency: int, episodes: int, max_tokens: int, rounds: int,
-                        log=print, engine: str = "vllm", isolation: str = "bwrap") -> GatewayBenchResult:
+                        log=print, engine: str = "vllm", isolation: str = "bwrap",
+                        gateway_host: str | None = None) -> GatewayBenchResult:
     """``engine``: "vllm" (the configured engine) or "null" (``NullEngine``:
-    the gateway's own capacity). ``isolation``: the agent cube's."""
+    the gateway's own capacity). ``isolation``: the agent cube's.
+    ``gateway_host``: "inline" | "process"; None: ``actor.gateway_host``."""
     from transformers import AutoTokenizer
 
     if engine not in ENGINES:
@@ -310,7 +333,8 @@ async def bench_gateway(cfg: Config, concurrency: int, episodes: int, max_tokens
     try:
         client = LLMClient([eng], AdmissionRouter(1, concurrency))
         return await compare(client, renderer, settings, game, cfg.run.seed, episodes, concurrency, rounds, log,
-                             engine=engine, isolation=isolation)
+                             engine=engine, isolation=isolation, gateway_host=gateway_host or cfg.actor.gateway_host,
+                             model=cfg.model)
     finally:
         await eng.shutdown()
 
@@ -337,6 +361,8 @@ def print_table(res: GatewayBenchResult) -> None:
           f"(gateway overhead {res.overhead_ms_per_call:+.2f}); of which its event-loop thread "
           f"{lp.get('native', 0.0):.2f} native / {lp.get('gateway', 0.0):.2f} gateway; "
           f"agent processes {res.agent_ms_per_call:.2f}; {eng}")
+    if res.gateway_host == "process":
+        print(f"gateway host process (actor.gateway_host = \"process\"): {res.host_ms_per_call:.2f} ms per call")
     if lp.get("gateway"):
         print(f"one daemon event loop serves at most {1e3 / lp['gateway']:.0f} gateway calls/s "
               f"(1000 / loop ms per call)")

@@ -48,20 +48,30 @@ Owns: sessions, request validation, prompt construction, the reply's shape,
 streaming. Must not decide rewards or retries (``agent_episode.py`` and the
 scheduler do).
 
+Where it runs (``actor.gateway_host``): "inline", on the daemon's event
+loop (``Gateway``); "process", in a gateway host process of its own
+(``HostedGateway`` in the daemon, ``host.py`` the process, one typed
+channel between them, ``protocol.py``): the host serves HTTP and does the
+text work, the daemon keeps the lease, the engine call and the record the
+samples are made from.
+
 Modules: ``api.py`` (request, errors, messages, response bodies),
 ``session.py`` (an episode's keys, served calls and history matching),
 ``stream.py`` (server-sent events), ``server.py`` (``Gateway``: routes and
-handlers).
+handlers), ``protocol.py``, ``host.py`` and ``hosted.py`` (the host
+process, above).
 """
 
 from rlnode.actor.gateway.api import (
     MAX_REQUEST_BYTES, TOKENIZE_INLINE_CHARS, ChatRequest, GatewayError, template_message,
 )
+from rlnode.actor.gateway.hosted import GatewayHostLost, HostedGateway
 from rlnode.actor.gateway.server import Gateway
 from rlnode.actor.gateway.session import GatewaySession, GatewayStats, ServedCall
 from rlnode.actor.gateway.stream import _stream_safe  # noqa: F401 - tested directly
 
 __all__ = [
-    "MAX_REQUEST_BYTES", "TOKENIZE_INLINE_CHARS", "ChatRequest", "Gateway", "GatewayError",
+    "MAX_REQUEST_BYTES", "TOKENIZE_INLINE_CHARS", "ChatRequest", "Gateway", "GatewayError", "GatewayHostLost",
+    "HostedGateway",
     "GatewaySession", "GatewayStats", "ServedCall", "template_message",
 ]

@@ -111,6 +111,9 @@ class Gateway:
             self.sessions.pop(s.token, None)
             await s.close()
 
+    async def sync(self) -> None:
+        """``stats`` is current (as ``HostedGateway.sync``; here it always is)."""
+
     def _session(self, request: web.Request, key: str | None = None) -> GatewaySession:
         s = self.sessions.get(request.match_info["token"])
         if s is None or s.closed:
@@ -216,7 +219,7 @@ class Gateway:
         if req.stream:
             return await stream_completion(self, request, s, req, messages, tools, tools_on, prompt, sampling, step,
                                            version, reset)
-        gen = await self._generate(s, prompt, sampling)
+        gen = await self._generate(s, prompt, sampling, step=step, reset=reset, agent_seed=req.seed)
         reply, finish, calls, reasoning = self._reply(gen, tools if tools_on else None, prompt)
         self._record(s, messages, tools, prompt, gen, step, version, temperature, reset, reply)
         body = {
@@ -229,9 +232,12 @@ class Gateway:
         return web.json_response(body)
 
     async def _generate(self, s: GatewaySession, prompt: list[int], sampling: SamplingSettings,
-                        on_tokens: Callable | None = None) -> Generation:
+                        on_tokens: Callable | None = None, *, step: int, reset: bool,
+                        agent_seed: int | None) -> Generation:
         """One leased engine call, registered with the session so closing the
-        episode aborts it."""
+        episode aborts it. ``step``, ``reset``, ``agent_seed``: the call as
+        the agent asked for it (the gateway host sends them to the daemon,
+        ``host.py``; here ``sampling`` already holds them)."""
         task = asyncio.ensure_future(self.client.generate(prompt, sampling, affinity=s._engine, on_tokens=on_tokens))
         s._inflight.add(task)
         try:
@@ -286,27 +292,11 @@ class Gateway:
         (a message to the environment). Answers the cube task's StepResult."""
         try:
             s = self._session(request)
-            body = await read_body(request, EnvStep)
-            if s.task is None or not getattr(s.task, "has_environment", True):
-                raise GatewayError(404, "this episode has no environment", code="no_environment")
-            if s.env_done:
-                raise GatewayError(409, "the environment already ended this episode", code="episode_done")
-            calls = [ToolCall(body.tool, body.arguments)] if body.tool else []
-            try:
-                result = await s.task.step(Action(text=body.text, tool_calls=calls))
-            except NotImplementedError as e:
-                raise GatewayError(404, f"this episode has no environment: {e}", code="no_environment") from e
-            except Exception as e:  # the cube's failure, in OpenAI's error shape (not a bare 500)
-                log.warning("gateway.env_step_failed", episode=s.episode_id, error=repr(e)[:300])
-                raise GatewayError(500, f"the environment failed: {e!r}"[:1000], code="environment_error",
-                                   type="server_error") from e
+            body = await env_step(s, await request.read())
         except GatewayError as e:
             self.stats.errors += 1
             return e.response()
-        s.agent_errors += result.error is not None
-        s.env_done = s.env_done or result.done
-        return web.json_response({"observation": result.observation, "reward": result.reward, "done": result.done,
-                                  "error": result.error, "info": result.info}, dumps=dumps)
+        return web.Response(body=body, content_type="application/json")
 
     async def _env_reward(self, request: web.Request) -> web.Response:
         try:
@@ -328,3 +318,31 @@ class Gateway:
             return e.response()
         s.posted_reward, s.posted_success = body.reward, body.success
         return web.json_response({"ok": True})
+
+
+async def env_step(s: GatewaySession, raw: bytes) -> bytes:
+    """POST env/step for session ``s`` (its task: the daemon's): the JSON
+    body of the answer, or GatewayError."""
+    try:
+        body = msgspec.json.decode(raw, type=EnvStep)
+    except msgspec.ValidationError as e:
+        raise GatewayError(400, f"invalid request: {e}") from e
+    except msgspec.DecodeError as e:
+        raise GatewayError(400, f"request body is not JSON: {e}") from e
+    if s.task is None or not getattr(s.task, "has_environment", True):
+        raise GatewayError(404, "this episode has no environment", code="no_environment")
+    if s.env_done:
+        raise GatewayError(409, "the environment already ended this episode", code="episode_done")
+    calls = [ToolCall(body.tool, body.arguments)] if body.tool else []
+    try:
+        result = await s.task.step(Action(text=body.text, tool_calls=calls))
+    except NotImplementedError as e:
+        raise GatewayError(404, f"this episode has no environment: {e}", code="no_environment") from e
+    except Exception as e:  # the cube's failure, in OpenAI's error shape (not a bare 500)
+        log.warning("gateway.env_step_failed", episode=s.episode_id, error=repr(e)[:300])
+        raise GatewayError(500, f"the environment failed: {e!r}"[:1000], code="environment_error",
+                           type="server_error") from e
+    s.agent_errors += result.error is not None
+    s.env_done = s.env_done or result.done
+    return dumps({"observation": result.observation, "reward": result.reward, "done": result.done,
+                  "error": result.error, "info": result.info}).encode()

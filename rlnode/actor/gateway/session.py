@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import secrets
-from typing import Any, Callable, NamedTuple
+from typing import Any, Awaitable, Callable, NamedTuple, TypeVar
 
 import msgspec
 from aiohttp import web
@@ -17,6 +17,9 @@ from rlnode.actor.episode import EpisodeSettings
 from rlnode.actor.gateway.api import GatewayError
 from rlnode.actor.generation import Generation
 from rlnode.cubes.base import AgentEndpoint, CubeTask
+
+
+T = TypeVar("T")
 
 
 def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
@@ -68,7 +71,9 @@ class GatewaySession:
     its exit."""
 
     def __init__(self, gateway, episode_id: str, task: CubeTask | None, settings: EpisodeSettings,
-                 policy_version: Callable[[], int]):
+                 policy_version: Callable[[], int], keys: tuple[str, str, str] | None = None):
+        """``keys``: (token, api key, reward key) chosen by the daemon (a
+        gateway host's copy of a session); else made here."""
         self.gateway, self.episode_id, self.task, self.settings = gateway, episode_id, task, settings
         self.policy_version = policy_version
         self.token = secrets.token_urlsafe(24)
@@ -77,6 +82,8 @@ class GatewaySession:
         # a test or benchmark, whose only reward source is the agent).
         agent_reward = task is None or getattr(task, "reward_source", "evaluator") == "agent"
         self.reward_key = "rlnode-reward-" + secrets.token_urlsafe(24) if agent_reward else ""
+        if keys is not None:
+            self.token, self.api_key, self.reward_key = keys
         self.calls: list[ServedCall] = []
         self.next_step = 0
         self.history_resets = 0
@@ -154,6 +161,17 @@ class GatewaySession:
         self._tools = tools or []
         self._ids = prompt + completion
         self._last_completion = completion
+
+    async def settle(self) -> None:
+        """Wait until every decision the gateway took for this episode
+        (``terminated``, a posted reward) is visible here. Nothing to wait
+        for on the daemon's own loop; a gateway host's session
+        (``hosted.py``) asks the host."""
+
+    async def guard(self, agent: Awaitable[T]) -> T:
+        """Await the episode's agent; a session whose gateway host is lost
+        fails it instead (``hosted.py``)."""
+        return await agent
 
     async def close(self) -> None:
         """End the episode's access: the token stops working and calls still

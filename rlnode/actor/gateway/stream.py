@@ -50,7 +50,8 @@ async def stream_completion(gw, request, s, req, messages, tools, tools_on, prom
                 "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}], **extra}
         return b"data: " + json.dumps(body).encode() + b"\n\n"
 
-    gen_task = asyncio.ensure_future(gw._generate(s, prompt, sampling, on_tokens))
+    gen_task = asyncio.ensure_future(gw._generate(s, prompt, sampling, on_tokens, step=step, reset=reset,
+                                                   agent_seed=req.seed))
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     sent = ""
     try:

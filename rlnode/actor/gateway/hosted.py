@@ -1,0 +1,454 @@
+"""``HostedGateway``: the gateway with its HTTP side in a host process
+(``actor.gateway_host = "process"``; the host is ``host.py``, the channel
+``protocol.py``). The daemon's part of each call is small: check it, take
+the lease, run the engine, record it.
+
+Owns (in the daemon): the gateway's listening sockets (its TCP port and the
+agents' unix socket, bound here so URLs and sandbox relays outlive a host),
+the host process (started, watched, restarted when it dies), the sessions'
+keys and settings, every call's admission (its own count of the episode's
+calls, the context, the temperature range, max_tokens; the seed derived
+here), the leased engine call (``LLMClient``) and the record of what the
+engine was given and returned, from which ``agent_episode.py`` builds the
+samples. ``env/step`` runs here, on the episode's cube task.
+
+Must not: trust token lists from the host beyond a call's prompt; serve
+HTTP; tokenize. A host that dies fails the episodes it served
+(``GatewayHostLost``, a CubeError: retried like any other) and the next
+episodes get a new host on the same sockets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import socket
+import sys
+import tempfile
+from typing import AsyncIterator, Awaitable, Callable, TypeVar
+
+import msgspec
+
+from rlnode.actor.engine import EngineError
+from rlnode.actor.episode import EpisodeSettings, request_seed
+from rlnode.actor.gateway.api import GatewayError
+from rlnode.actor.gateway.protocol import (
+    Abort, CallFailed, Channel, CloseSession, EnvCall, EnvReplied, Generate, Generated, HostFailed, HostReady,
+    HostStart, HostStats, OpenSession, SessionState, Settle, ToDaemon, Tokens, WireSettings,
+)
+from rlnode.actor.gateway.server import env_step
+from rlnode.actor.gateway.session import GatewaySession, GatewayStats, ServedCall
+from rlnode.actor.generation import LLMClient
+from rlnode.config import ModelConfig
+from rlnode.cubes.base import CubeError, CubeTask
+from rlnode.log import get_logger
+from rlnode.ops.netaddr import local_url_host
+
+log = get_logger("rlnode.gateway")
+
+T = TypeVar("T")
+START_TIMEOUT_S = 120.0  # a host's start: tokenizer, template, vLLM's parser registry
+SETTLE_TIMEOUT_S = 10.0  # a live host answers Settle / CloseSession within this
+STOP_TIMEOUT_S = 5.0  # SIGTERM, then SIGKILL
+RESTART_BACKOFF_S = (0.2, 30.0)  # first wait before a restart, cap (doubling while starts keep failing)
+_HOST_FIELDS = ("streamed", "errors", "unauthorized", "temperature_floored", "rewards_refused")
+
+
+class GatewayHostLost(CubeError):
+    """The gateway host serving an episode died (or could not start): the
+    episode fails and is retried; the daemon starts a new host."""
+
+
+class HostedSession(GatewaySession):
+    """The daemon's side of an episode served by the host: its keys,
+    settings and the calls the engine answered (``calls``: the record
+    samples are made from)."""
+
+    def __init__(self, gateway: "HostedGateway", *args, **kwargs):
+        super().__init__(gateway, *args, **kwargs)
+        self.lost: asyncio.Future = asyncio.get_running_loop().create_future()  # result: why the host was lost
+        self._steps: set[int] = set()
+
+    async def settle(self) -> None:
+        """As ``GatewaySession.settle``; GatewayHostLost when the host that
+        served the episode is gone (what it decided is lost with it)."""
+        await self.gateway._ask_state(self)
+        if self.lost.done():
+            raise GatewayHostLost(f"the gateway host serving this episode was lost: {self.lost.result()}")
+
+    async def guard(self, agent: Awaitable[T]) -> T:
+        run = asyncio.ensure_future(agent)
+        try:
+            await asyncio.wait([run, self.lost], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not run.done():
+                run.cancel()
+                await asyncio.gather(run, return_exceptions=True)
+        if run.done() and not run.cancelled() and not self.lost.done():
+            return run.result()
+        if self.lost.done():
+            raise GatewayHostLost(f"the gateway host serving this episode was lost: {self.lost.result()}")
+        return run.result()
+
+
+class _Host:
+    """One host process and its channel."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, chan: Channel, lost: asyncio.Future):
+        self.proc, self.chan, self.lost = proc, chan, lost
+        self.pid = proc.pid
+        self.stats = HostStats()
+
+
+class HostedGateway:
+    """``Gateway``'s interface (``serve``, ``session``, ``stats``, ``url``,
+    ``agent_socket``) with the HTTP side in a host process."""
+
+    def __init__(self, client: LLMClient, model: ModelConfig, settings: EpisodeSettings, model_name: str = "rlnode"):
+        self.client, self.model, self.settings, self.model_name = client, model, settings, model_name
+        self.url = ""
+        self.agent_socket = ""
+        self.sessions: dict[str, HostedSession] = {}
+        self.stats = GatewayStats()
+        self.host_starts = 0  # hosts started (a restart after a loss counts)
+        self._host: _Host | None = None
+        self._up = asyncio.Event()
+        self._sockets: tuple[socket.socket, socket.socket] | None = None
+        self._calls: dict[tuple[int, int], asyncio.Task] = {}  # (host pid, call id) -> engine call
+        self._waiting: dict[str, list[asyncio.Future]] = {}  # token -> SessionState waiters, in order
+        self._base = HostStats()  # counters of hosts that are gone
+
+    @property
+    def host_pid(self) -> int:
+        return self._host.pid if self._host is not None else 0
+
+    def add_routes(self, app) -> None:
+        """Nothing: the host serves the episode routes (on ``url``)."""
+
+    # -- lifecycle ---------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def serve(self, host: str = "127.0.0.1", port: int = 0) -> AsyncIterator["HostedGateway"]:
+        """Bind the gateway's sockets, start the host (raising if it cannot
+        start), keep one running until exit; then stop it and unbind."""
+        home = await asyncio.to_thread(tempfile.mkdtemp, prefix="rlnode-gateway-")
+        tcp = unix = None
+        supervisor = None
+        try:
+            tcp = socket.create_server((host, port), backlog=1024)
+            os.chmod(home, 0o711)  # a sandbox's uid may reach the socket bound into it; nobody lists the dir
+            path = os.path.join(home, "agents.sock")
+            unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            unix.bind(path)
+            os.chmod(path, 0o666)
+            unix.listen(1024)
+            self._sockets = (tcp, unix)
+            await self._start_host()
+            self.url = f"http://{local_url_host(host)}:{tcp.getsockname()[1]}"
+            self.agent_socket = path
+            supervisor = asyncio.create_task(self._supervise(), name="gateway-host")
+            yield self
+        finally:
+            self.url = self.agent_socket = ""
+            if supervisor is not None:
+                supervisor.cancel()
+                await asyncio.gather(supervisor, return_exceptions=True)
+            await self._stop_host()
+            for sock in (tcp, unix):
+                if sock is not None:
+                    sock.close()
+            self._sockets = None
+            await asyncio.to_thread(shutil.rmtree, home, True)
+
+    async def _start_host(self) -> None:
+        tcp, unix = self._sockets
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        fds = (theirs.fileno(), tcp.fileno(), unix.fileno())
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "rlnode.actor.gateway.host", *map(str, fds), pass_fds=fds,
+                stdin=asyncio.subprocess.DEVNULL)
+        finally:
+            theirs.close()
+        loop = asyncio.get_running_loop()
+        lost, ready = loop.create_future(), loop.create_future()
+
+        def on_messages(msgs: list) -> None:
+            if host is not None and self._host is host:
+                self._on_messages(host, msgs)
+            elif not ready.done():
+                first = msgs[0]
+                if isinstance(first, HostReady):
+                    ready.set_result(first.pid)
+                elif isinstance(first, HostFailed):
+                    ready.set_exception(GatewayHostLost(f"the gateway host could not start: {first.error}"))
+
+        def on_lost(why: str) -> None:
+            if not lost.done():
+                lost.set_result(why)
+
+        host = None
+        chan = await Channel.connect(ours, ToDaemon, on_messages, on_lost)
+        host = _Host(proc, chan, lost)
+        m = self.model
+        chan.send(HostStart(m.tokenizer or m.path, m.chat_template, m.tool_parser, m.reasoning_parser,
+                            self.model_name))
+        try:
+            await asyncio.wait([ready, lost], timeout=START_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED)
+            if not ready.done():
+                raise GatewayHostLost(f"the gateway host did not start within {START_TIMEOUT_S:g}s"
+                                      if not lost.done() else f"the gateway host exited at start: {lost.result()}")
+            ready.result()
+        except BaseException:
+            await self._reap(host)
+            raise
+        self._host = host
+        self.host_starts += 1
+        self._up.set()
+        log.info("gateway.host_started", pid=proc.pid, starts=self.host_starts)
+
+    async def _supervise(self) -> None:
+        """Restart the host whenever it is lost."""
+        backoff = RESTART_BACKOFF_S[0]
+        while True:
+            host = self._host
+            why = await host.lost
+            self._lost(host, why)
+            await self._reap(host)
+            while True:
+                await asyncio.sleep(backoff)
+                try:
+                    await self._start_host()
+                except GatewayHostLost as e:
+                    log.error("gateway.host_start_failed", error=str(e), retry_in_s=backoff)
+                    backoff = min(backoff * 2, RESTART_BACKOFF_S[1])
+                    continue
+                backoff = RESTART_BACKOFF_S[0]
+                break
+
+    def _lost(self, host: _Host, why: str) -> None:
+        """A host died: its episodes fail, their engine calls are aborted."""
+        if self._host is not host:
+            return
+        self._host = None
+        self._up.clear()
+        open_sessions = [s for s in self.sessions.values() if not s.lost.done()]
+        log.error("gateway.host_lost", pid=host.pid, why=why, episodes=len(open_sessions))
+        for key, task in list(self._calls.items()):
+            if key[0] == host.pid:
+                task.cancel()
+        for s in open_sessions:
+            s.lost.set_result(why)
+        for waiters in self._waiting.values():
+            for w in waiters:
+                if not w.done():
+                    w.set_result(None)
+        self._waiting.clear()
+        self._base = HostStats(*(getattr(self._base, f) + getattr(host.stats, f) for f in _HOST_FIELDS))
+
+    async def _reap(self, host: _Host) -> None:
+        host.chan.close()
+        if host.proc.returncode is None:
+            host.proc.terminate()
+            try:
+                await asyncio.wait_for(host.proc.wait(), STOP_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                host.proc.kill()
+                await host.proc.wait()
+
+    async def _stop_host(self) -> None:
+        host, self._host = self._host, None
+        self._up.clear()
+        if host is not None:
+            await self._reap(host)
+
+    # -- sessions ----------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def session(self, episode_id: str, task: CubeTask | None = None, settings: EpisodeSettings | None = None,
+                      policy_version: Callable[[], int] = lambda: 0) -> AsyncIterator[HostedSession]:
+        if not self.url:
+            raise RuntimeError("the gateway is not served (HostedGateway.serve)")
+        if not self._up.is_set():
+            try:
+                await asyncio.wait_for(self._up.wait(), START_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                raise GatewayHostLost("no gateway host is running (restarts keep failing)") from None
+        host = self._host
+        s = HostedSession(self, episode_id, task, settings or self.settings, policy_version)
+        st, sp = s.settings, s.settings.sampling
+        tools = [t.as_chat_tool() for t in task.tools()] if task is not None else []
+        host.chan.send(OpenSession(
+            s.token, episode_id, s.api_key,
+            WireSettings(sp.max_tokens, sp.temperature, sp.top_p, st.max_turns, st.max_model_len,
+                         st.min_completion_tokens, st.min_temperature, st.seed, st.max_abs_reward),
+            s.reward_key, task is not None and getattr(task, "has_environment", True),
+            msgspec.json.encode({"tools": tools})))
+        self.sessions[s.token] = s
+        self.stats.sessions += 1
+        try:
+            yield s
+        finally:
+            try:
+                await s.close()  # our engine calls first: their leases come back now
+                await self._ask_state(s, CloseSession(s.token))  # the host's last word on the episode
+            finally:
+                self.sessions.pop(s.token, None)
+
+    async def _ask_state(self, s: HostedSession, msg=None) -> None:
+        """Send ``msg`` (``Settle``) and wait for the host's SessionState of
+        ``s``: what the host sent before it is then applied."""
+        host = self._host
+        if host is None or s.lost.done():
+            return
+        fut = asyncio.get_running_loop().create_future()
+        self._waiting.setdefault(s.token, []).append(fut)
+        host.chan.send(msg or Settle(s.token))
+        done, _ = await asyncio.wait([fut, s.lost], timeout=SETTLE_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED)
+        if not done:
+            log.warning("gateway.host_slow", pid=host.pid, episode=s.episode_id, waited_s=SETTLE_TIMEOUT_S)
+
+    async def sync(self) -> None:
+        """Wait until the host's counters up to now are in ``stats``."""
+        host = self._host
+        if host is None:
+            return
+        fut = asyncio.get_running_loop().create_future()
+        self._waiting.setdefault("", []).append(fut)
+        host.chan.send(Settle(""))
+        await asyncio.wait([fut, host.lost], timeout=SETTLE_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED)
+
+    # -- the host's messages -------------------------------------------------------
+
+    def _on_messages(self, host: _Host, msgs: list) -> None:
+        for m in msgs:
+            match m:
+                case Generate():
+                    self._generate(host, m)
+                case Abort(call_id=call_id):
+                    task = self._calls.get((host.pid, call_id))
+                    if task is not None:
+                        task.cancel()
+                case EnvCall():
+                    self._env(host, m)
+                case SessionState(token=token):
+                    self._apply_state(m)
+                    waiters = self._waiting.get(token)
+                    if waiters:
+                        w = waiters.pop(0)
+                        if not waiters:
+                            del self._waiting[token]
+                        if not w.done():
+                            w.set_result(None)
+                case HostStats():
+                    host.stats = m
+                    for f in _HOST_FIELDS:
+                        setattr(self.stats, f, getattr(self._base, f) + getattr(m, f))
+                case HostReady() | HostFailed():
+                    pass
+
+    def _apply_state(self, m: SessionState) -> None:
+        s = self.sessions.get(m.token)
+        if s is None:
+            return
+        s.terminated = s.terminated or m.terminated
+        if m.posted_reward is not None:
+            s.posted_reward, s.posted_success = m.posted_reward, m.posted_success
+
+    def _generate(self, host: _Host, m: Generate) -> None:
+        s = self.sessions.get(m.token)
+        try:
+            if s is None or s.closed or s.lost.done():
+                raise GatewayError(404, "unknown or finished episode", code="episode_not_found")
+            sampling = self._admit(s, m)
+        except GatewayError as e:
+            host.chan.send(CallFailed(m.call_id, e.status, e.message, e.code, e.param, e.type))
+            return
+        key = (host.pid, m.call_id)
+        task = asyncio.ensure_future(self._call(host, s, m, sampling, s.policy_version()))
+        s._inflight.add(task)
+        self._calls[key] = task
+        task.add_done_callback(lambda t: (s._inflight.discard(t), self._calls.pop(key, None)))
+
+    def _admit(self, s: HostedSession, m: Generate):
+        """The call as the daemon runs it, checked against its own record of
+        the episode (the host checked the same before: a refusal here means
+        a host that does not follow the protocol)."""
+        settings = s.settings
+        base = settings.sampling
+        if m.step in s._steps or m.step < 0:
+            raise GatewayError(500, f"gateway host protocol: step {m.step} again", code="gateway_error",
+                               type="server_error")
+        if len(s._steps) >= settings.max_turns or m.step >= settings.max_turns:
+            s.terminated = s.terminated or "max_turns"
+            raise GatewayError(400, f"the episode used its {settings.max_turns} LLM calls (actor.episode.max_turns)",
+                               code="max_turns_exceeded")
+        room = settings.max_model_len - len(m.prompt)
+        if room < settings.min_completion_tokens:
+            s.terminated = s.terminated or "context_limit"
+            raise GatewayError(400, f"prompt of {len(m.prompt)} tokens leaves no room in the "
+                                    f"{settings.max_model_len}-token context", code="context_length_exceeded",
+                               param="messages")
+        temperature = 0.0 if base.temperature == 0 else m.temperature
+        floor = min(settings.min_temperature, base.temperature)
+        if base.temperature and not floor - 1e-9 <= temperature <= base.temperature + 1e-9:
+            raise GatewayError(400, f"temperature must be in [{floor}, {base.temperature}]", param="temperature")
+        s._steps.add(m.step)
+        s.next_step = max(s.next_step, m.step + 1)
+        seed = m.agent_seed if settings.seed is None else request_seed(settings.seed, m.step, m.agent_seed)
+        return msgspec.structs.replace(base, temperature=temperature, seed=seed,
+                                       max_tokens=max(1, min(m.max_tokens, base.max_tokens, room)))
+
+    async def _call(self, host: _Host, s: HostedSession, m: Generate, sampling, version: int) -> None:
+        """One leased engine call; on cancellation (the agent went away, the
+        episode or the host ended) the engine request is aborted and the
+        lease returned by LLMClient, and nobody is answered."""
+        send = host.chan.send
+        on_tokens = None
+        if m.stream:
+            sent = 0
+
+            def on_tokens(ids) -> None:
+                nonlocal sent
+                if len(ids) > sent:
+                    send(Tokens(m.call_id, list(ids[sent:])))
+                    sent = len(ids)
+        try:
+            gen = await self.client.generate(m.prompt, sampling, affinity=s._engine, on_tokens=on_tokens)
+        except EngineError as e:
+            send(CallFailed(m.call_id, 503, f"engine failed: {e}", "engine_error", error_type="server_error"))
+            return
+        comp = gen.completion
+        if s.closed:
+            send(CallFailed(m.call_id, 404, "the episode ended during the call", "episode_not_found"))
+            return
+        if comp.finish_reason == "abort":
+            send(CallFailed(m.call_id, 503, "the engine aborted the request", "engine_error",
+                            error_type="server_error"))
+            return
+        s._engine = gen.lease.engine_id
+        s.calls.append(ServedCall(m.step, m.prompt, gen, version, sampling.temperature, m.history_reset))
+        s.history_resets += m.history_reset
+        self.stats.calls += 1
+        self.stats.history_resets += m.history_reset
+        send(Generated(m.call_id, comp.token_ids, comp.finish_reason))
+
+    def _env(self, host: _Host, m: EnvCall) -> None:
+        s = self.sessions.get(m.token)
+
+        async def step() -> None:
+            try:
+                if s is None or s.closed:
+                    raise GatewayError(404, "unknown or finished episode", code="episode_not_found")
+                body = await env_step(s, m.body)
+            except GatewayError as e:
+                host.chan.send(CallFailed(m.call_id, e.status, e.message, e.code, e.param, e.type))
+                return
+            host.chan.send(EnvReplied(m.call_id, body))
+
+        task = asyncio.ensure_future(step())
+        if s is not None:
+            s._inflight.add(task)
+            task.add_done_callback(s._inflight.discard)

@@ -1,0 +1,276 @@
+"""The one channel between the actor daemon and its gateway host process
+(``actor.gateway_host = "process"``, ``host.py``): msgspec Structs in
+length-prefixed msgpack frames over a unix socket pair.
+
+Daemon -> host: ``HostStart`` (once, first), ``OpenSession``,
+``CloseSession``, ``Settle``, and the answers to the host's calls:
+``Tokens`` (a streamed call's new token ids), ``Generated``,
+``CallFailed``, ``EnvReplied``.
+Host -> daemon: ``HostReady`` (once, or ``HostFailed``), ``Generate``,
+``Abort``, ``EnvCall``, ``SessionState`` (answering ``Settle`` and
+``CloseSession``), ``HostStats``.
+
+Token-in / token-out. The host chooses a call's prompt ids (the chat
+template, the re-sent history matched and tokenized there); the daemon
+checks the call against its own count of the episode's calls and settings
+(turns, context, temperature, max_tokens; the seed it derives itself), takes
+the lease, runs the engine and records what the engine was given and
+returned. Samples are built from that record alone: the host never sends
+completion ids, logprobs or versions, it only receives them.
+
+Frames: ``u32 big-endian length | msgpack list of messages``. Whatever is
+ready when the loop comes round goes out as one frame (``Channel.send``
+queues; one flush per loop iteration).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+from typing import Callable, Union
+
+import msgspec
+
+_LEN = struct.Struct(">I")
+MAX_FRAME_BYTES = 1 << 30  # a frame carries whole prompts (up to max_model_len ids per call)
+
+
+class _Msg(msgspec.Struct, array_like=True, omit_defaults=True, tag=True):
+    pass
+
+
+# -- daemon -> host ---------------------------------------------------------------
+
+
+class HostStart(_Msg):
+    """The host's renderer (``model.*`` chat format) and model name."""
+
+    tokenizer: str  # model.tokenizer or model.path
+    chat_template: str = ""  # model.chat_template (a path)
+    tool_parser: str = "hermes"
+    reasoning_parser: str = ""
+    model_name: str = "rlnode"
+
+
+class WireSettings(msgspec.Struct, array_like=True, omit_defaults=True):
+    """An episode's EpisodeSettings as the host needs them to refuse calls
+    early (the daemon checks every call again against its own copy)."""
+
+    max_tokens: int
+    temperature: float
+    top_p: float
+    max_turns: int
+    max_model_len: int
+    min_completion_tokens: int = 4
+    min_temperature: float = 1e-5
+    seed: int | None = None
+    max_abs_reward: float = 1000.0
+
+
+class OpenSession(_Msg):
+    token: str
+    episode_id: str
+    api_key: str
+    settings: WireSettings
+    reward_key: str = ""  # empty: the episode refuses posted rewards
+    has_environment: bool = False
+    tools_json: bytes = b'{"tools":[]}'  # GET env/tools, answered by the host
+
+
+class CloseSession(_Msg):
+    """The token stops working; answered by ``SessionState(closed=True)``."""
+
+    token: str
+
+
+class Settle(_Msg):
+    """Answered by ``SessionState``: every frame the host sent before it has
+    then been applied by the daemon."""
+
+    token: str
+
+
+class Tokens(_Msg):
+    """A streamed call's token ids produced since the last ``Tokens``."""
+
+    call_id: int
+    ids: list[int]
+
+
+class Generated(_Msg):
+    call_id: int
+    completion_ids: list[int]
+    finish_reason: str
+
+
+class CallFailed(_Msg):
+    """A call (``Generate`` or ``EnvCall``) refused or failed: answered in
+    OpenAI's error shape with these fields."""
+
+    call_id: int
+    status: int
+    message: str
+    code: str | None = None
+    param: str | None = None
+    error_type: str = "invalid_request_error"
+
+
+class EnvReplied(_Msg):
+    """POST env/step answered (200; a refusal is ``CallFailed``)."""
+
+    call_id: int
+    body: bytes  # the JSON body of the answer
+
+
+# -- host -> daemon ---------------------------------------------------------------
+
+
+class HostReady(_Msg):
+    pid: int
+
+
+class HostFailed(_Msg):
+    error: str
+
+
+class Generate(_Msg):
+    """One chat completion's engine call: the prompt the host built; the
+    sampling the agent asked for, as the host validated it."""
+
+    call_id: int
+    token: str
+    step: int  # the host's count of this episode's calls (must match the daemon's)
+    prompt: list[int]
+    temperature: float
+    max_tokens: int
+    agent_seed: int | None = None
+    stream: bool = False
+    history_reset: bool = False
+
+
+class Abort(_Msg):
+    """The agent went away: abort the call's engine request."""
+
+    call_id: int
+
+
+class EnvCall(_Msg):
+    call_id: int
+    token: str
+    body: bytes  # POST env/step's JSON body
+
+
+class SessionState(_Msg):
+    """What the host decided for an episode: the gateway's refusal that
+    ended it, a posted reward (already key-checked and bounded)."""
+
+    token: str
+    closed: bool = False
+    terminated: str | None = None
+    posted_reward: float | None = None
+    posted_success: bool | None = None
+
+
+class HostStats(_Msg):
+    """The host's counters (GatewayStats fields it owns), whole."""
+
+    streamed: int = 0
+    errors: int = 0
+    unauthorized: int = 0
+    temperature_floored: int = 0
+    rewards_refused: int = 0
+
+
+ToHost = Union[HostStart, OpenSession, CloseSession, Settle, Tokens, Generated, CallFailed, EnvReplied]
+ToDaemon = Union[HostReady, HostFailed, Generate, Abort, EnvCall, SessionState, HostStats]
+
+
+class Channel(asyncio.Protocol):
+    """One end of the channel. Delivery: in order, each message once, while
+    the connection lives; no acknowledgement (the protocol's answers are
+    its acknowledgements) and no high-water mark (what is queued is bounded
+    by the episodes' calls in flight). ``on_messages`` gets each frame's
+    messages, in order, on the loop; ``on_lost`` once, when the peer is
+    gone (EOF, error, or a frame that does not decode: the peer is broken).
+    """
+
+    def __init__(self, incoming: type, on_messages: Callable[[list], None], on_lost: Callable[[str], None]):
+        self._decoder = msgspec.msgpack.Decoder(list[incoming])
+        self._encoder = msgspec.msgpack.Encoder()
+        self.on_messages, self.on_lost = on_messages, on_lost
+        self._buf = bytearray()
+        self._out: list = []
+        self._transport: asyncio.Transport | None = None
+        self._lost = False
+        self.frames_in = self.frames_out = 0
+
+    @classmethod
+    async def connect(cls, sock, incoming: type, on_messages, on_lost) -> "Channel":
+        loop = asyncio.get_running_loop()
+        _, proto = await loop.create_unix_connection(lambda: cls(incoming, on_messages, on_lost), sock=sock)
+        return proto
+
+    # -- asyncio.Protocol -----------------------------------------------------
+
+    def connection_made(self, transport) -> None:
+        self._transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        buf = self._buf
+        buf += data
+        frames = []
+        pos = 0
+        while len(buf) - pos >= 4:
+            (n,) = _LEN.unpack_from(buf, pos)
+            if n > MAX_FRAME_BYTES:
+                self._fail(f"frame of {n} bytes")
+                return
+            if len(buf) - pos - 4 < n:
+                break
+            frames.append(bytes(buf[pos + 4:pos + 4 + n]))
+            pos += 4 + n
+        del buf[:pos]
+        for f in frames:
+            try:
+                msgs = self._decoder.decode(f)
+            except msgspec.DecodeError as e:
+                self._fail(f"undecodable frame: {e}")
+                return
+            self.frames_in += 1
+            self.on_messages(msgs)
+
+    def connection_lost(self, exc) -> None:
+        if not self._lost:
+            self._lost = True
+            self.on_lost(f"channel closed ({exc!r})" if exc else "channel closed")
+
+    # -- sending --------------------------------------------------------------
+
+    def send(self, msg) -> None:
+        """Queue ``msg``; everything queued in this loop iteration leaves as
+        one frame. Dropped once the channel is lost."""
+        if self._lost:
+            return
+        if not self._out:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._out.append(msg)
+
+    def _flush(self) -> None:
+        out, self._out = self._out, []
+        if not out or self._lost or self._transport is None or self._transport.is_closing():
+            return
+        body = self._encoder.encode(out)
+        self._transport.write(_LEN.pack(len(body)) + body)
+        self.frames_out += 1
+
+    def _fail(self, why: str) -> None:
+        if self._transport is not None:
+            self._transport.abort()
+        if not self._lost:
+            self._lost = True
+            self.on_lost(why)
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._flush()
+            self._transport.close()
