@@ -356,6 +356,39 @@ async def test_a_hanging_harness_ends_at_its_deadline_and_the_loop_serves_on(vf)
     assert ForeignLoop.shared().stats()["abandoned"] == before["abandoned"]
 
 
+async def test_a_harness_program_runs_behind_the_agents_wall(vf, tmp_path, monkeypatch):
+    """A harness that runs its agent as a program in verifiers' subprocess
+    runtime (as upstream's CLI harnesses do): the program reaches the model
+    through the endpoint verifiers gave it (its port mirrored into the box),
+    and every escape its tool calls could try is refused: the node's link
+    keys, the daemon's /proc environment, the link port on loopback, a fork
+    bomb (limits.processes), the daemon's secrets in its environment."""
+    import socket
+
+    import vf_envs
+    from rlnode.link.curve import auto_keys
+
+    keys = auto_keys(tmp_path / "run", "n1")
+    link = socket.create_server(("127.0.0.1", 0))  # stands for the link's loopback port
+    monkeypatch.setenv("HF_TOKEN", "hf-secret")
+    for k, v in {"KEY_DIR": keys, "DAEMON_PID": str(os.getpid()), "LINK_PORT": str(link.getsockname()[1])}.items():
+        monkeypatch.setenv(f"VF_TEST_{k}", v)
+    vf_envs.ExitHarness.reports.clear()
+    cube = single_cube(env_args={**LOCAL, "taskset": {"task": {"exit_in": "tool"}}}, limits={"processes": 64})
+    await cube.start()
+    try:
+        task = await cube.open_task("train-00001")
+        async with scripted_server(lambda m: "2") as (endpoint, requests):
+            reward = await task.run_agent(endpoint, {})
+    finally:
+        link.close()
+    (printed,) = vf_envs.ExitHarness.reports.values()
+    report = json.loads(printed.split("REPORT ", 1)[1])
+    assert report.pop("model_call") == "ok: 200" and len(requests) == 1 and reward in (0.0, 1.0)
+    assert report.pop("uid") != 0 and report.pop("secrets_in_env") == []
+    assert all(v.startswith("refused") for v in report.values()), report
+
+
 def test_rlnode_eval_prints_one_line_for_a_cube_that_cannot_start(vf, tmp_path, capsys):
     """`rlnode eval` (its command function, in-process: cubes start before
     any engine) on an environment that cannot be imported and on one left

@@ -21,6 +21,8 @@ a loop per episode the second loop to wait binds them and the third fails
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
 from typing import Literal
 
 import verifiers.v1 as vf
@@ -29,7 +31,7 @@ from rlnode.cubes import vf_guess
 
 
 class ExitTaskConfig(vf_guess.GuessTaskConfig):
-    exit_in: Literal["", "harness", "rubric", "hang"] = ""
+    exit_in: Literal["", "harness", "rubric", "hang", "tool"] = ""
 
 
 class ExitConfig(vf_guess.GuessConfig):
@@ -67,8 +69,20 @@ class ExitHarness(vf_guess.GuessHarness):
     shared_gate = asyncio.Semaphore(4)
     entered = 0  # episodes that got through both
 
+    reports: dict[str, str] = {}  # task id -> what the "tool" program printed
+
     async def launch(self, ctx, trace, runtime, endpoint, secret, mcp_urls, data, **kw) -> vf.ProgramResult:
         exit_in = getattr(data, "exit_in", "")
+        if exit_in == "tool":
+            # A harness that runs its agent as a program in the runtime (as
+            # upstream's CLI harnesses do): the program makes the model call
+            # and, being the policy's tool, tries what a tool call could.
+            await runtime.write("tool.py", TOOL_PROGRAM.encode())
+            passed = {k: os.environ[k] for k in os.environ if k.startswith("VF_TEST_")}
+            result = await runtime.run_program([sys.executable, "tool.py"], {
+                **passed, "OPENAI_BASE_URL": endpoint, "OPENAI_API_KEY": secret, "MODEL": ctx.model})
+            ExitHarness.reports[data.id] = result.stdout + result.stderr
+            return result
         if exit_in == "harness":
             raise SystemExit("the harness exits")
         if exit_in == "hang":
@@ -78,6 +92,46 @@ class ExitHarness(vf_guess.GuessHarness):
                 await asyncio.sleep(0.002)  # held across a suspension: the others queue
                 ExitHarness.entered += 1
         return await super().launch(ctx, trace, runtime, endpoint, secret, mcp_urls, data, **kw)
+
+
+# The "tool" program: one model call through the endpoint it was given,
+# then every escape a tool call could try; prints what each got as JSON.
+TOOL_PROGRAM = r"""
+import json, os, socket, time, urllib.request
+out = {"uid": os.getuid()}
+def attempt(name, fn):
+    try:
+        out[name] = "ok: %r" % (fn(),)
+    except Exception as e:
+        out[name] = "refused: " + type(e).__name__
+def call():
+    body = json.dumps({"model": os.environ["MODEL"], "messages": [{"role": "user", "content": "guess"}]}).encode()
+    req = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/chat/completions", data=body, headers={
+        "Authorization": "Bearer " + os.environ["OPENAI_API_KEY"], "Content-Type": "application/json"})
+    return urllib.request.urlopen(req, timeout=20).status
+def fork_bomb():
+    children = []
+    try:
+        while len(children) < 1000:
+            pid = os.fork()
+            if pid == 0:
+                time.sleep(60)
+                os._exit(0)
+            children.append(pid)
+    except OSError as e:
+        raise OSError("fork refused after %d" % len(children)) from e
+    finally:
+        for pid in children:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+attempt("model_call", call)
+attempt("read_keys", lambda: os.listdir(os.environ["VF_TEST_KEY_DIR"]))
+attempt("daemon_environ", lambda: open("/proc/%s/environ" % os.environ["VF_TEST_DAEMON_PID"], "rb").read(10))
+attempt("link_port", lambda: socket.create_connection(("127.0.0.1", int(os.environ["VF_TEST_LINK_PORT"])), 2).close())
+attempt("fork_bomb", fork_bomb)
+out["secrets_in_env"] = sorted(k for k in os.environ if k in ("HF_TOKEN", "AWS_SECRET_ACCESS_KEY"))
+print("REPORT " + json.dumps(out))
+"""
 
 
 __all__ = ["ExitHarness", "ExitTaskset"]

@@ -154,7 +154,8 @@ sys.exit(128 - code if code < 0 else code)
 
 class GatewayRelay:
     """A unix socket whose connections are piped to the gateway's agent
-    socket, for one sandbox: ``async with GatewayRelay(upstream) as relay``.
+    socket (or to ``tcp://HOST:PORT``), for one sandbox: ``async with
+    GatewayRelay(upstream) as relay``.
     At most ``max_connections`` at once; more are closed at once and
     counted (``refused``). ``upstream`` may be set after the relay starts
     (a function agent's workers start before the gateway serves); until
@@ -169,9 +170,17 @@ class GatewayRelay:
         self._pipes: set[asyncio.Task] = set()
 
     async def __aenter__(self) -> "GatewayRelay":
-        self.dir = tempfile.mkdtemp(prefix="rlnode-agent-")
-        os.chmod(self.dir, 0o711)  # the sandbox's uid passes through to the socket, lists nothing
-        self.socket = os.path.join(self.dir, SOCKET_NAME)
+        return await self.open()
+
+    async def open(self, path: str = "") -> "GatewayRelay":
+        """Listen at ``path`` (in a directory the caller owns), else in a
+        private directory of its own."""
+        if path:
+            self.socket = path
+        else:
+            self.dir = tempfile.mkdtemp(prefix="rlnode-agent-")
+            os.chmod(self.dir, 0o711)  # the sandbox's uid passes through to the socket, lists nothing
+            self.socket = os.path.join(self.dir, SOCKET_NAME)
         self._server = await asyncio.start_unix_server(self._accept, path=self.socket)
         os.chmod(self.socket, 0o666)
         return self
@@ -184,7 +193,8 @@ class GatewayRelay:
         await asyncio.gather(*self._pipes, return_exceptions=True)
         if self._server is not None:
             await self._server.wait_closed()
-        shutil.rmtree(self.dir, ignore_errors=True)
+        if self.dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if not self.upstream or len(self._pipes) >= self.max_connections:
@@ -197,7 +207,11 @@ class GatewayRelay:
         task = asyncio.current_task()
         self._pipes.add(task)
         try:
-            up_reader, up_writer = await asyncio.open_unix_connection(self.upstream)
+            if self.upstream.startswith("tcp://"):  # a host loopback port (a verifiers box's mirror)
+                host, _, port = self.upstream[len("tcp://"):].rpartition(":")
+                up_reader, up_writer = await asyncio.open_connection(host, int(port))
+            else:
+                up_reader, up_writer = await asyncio.open_unix_connection(self.upstream)
         except OSError:
             writer.close()
             self._pipes.discard(task)

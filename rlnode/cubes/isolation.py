@@ -177,9 +177,11 @@ def bwrap_prefix(real_exe: str, workdir: str, tmp_bytes: int) -> list[str]:
     return args + _drop_privileges(root)
 
 
-def _ro_binds(paths: list[str]) -> list[str]:
+def _ro_binds(paths: list[str], rw: tuple[str, ...] = ()) -> list[str]:
+    """Read-only binds of ``paths`` (and read-write ones of ``rw``), their
+    parents made passable first."""
     args: list[str] = []
-    for d in paths:
+    for d in [*paths, *rw]:
         # bwrap would create missing parents with the host's modes (/root is
         # 0700): the sandbox's uid must be able to pass through them.
         parents, p = [], d
@@ -189,6 +191,8 @@ def _ro_binds(paths: list[str]) -> list[str]:
             args += ["--perms", "0755", "--dir", parent]
     for d in paths:
         args += ["--ro-bind", d, d]
+    for d in rw:
+        args += ["--bind", d, d]
     return args
 
 
@@ -209,12 +213,14 @@ AGENT_PUBLIC_ETC = ("/etc/ssl/certs", "/etc/ssl/openssl.cnf", "/etc/ca-certifica
                     "/etc/hosts", "/etc/nsswitch.conf", "/etc/localtime")
 
 
-def agent_prefix(env: dict[str, str], ro_paths: list[str], chdir: str, tmp_bytes: int) -> list[str]:
+def agent_prefix(env: dict[str, str], ro_paths: list[str], chdir: str, tmp_bytes: int,
+                 rw_paths: tuple[str, ...] = ()) -> list[str]:
     """bwrap argv for an agent (``rlnode/cubes/agent_sandbox.py``): the
     snippets' namespaces (pid, net with loopback only, ipc, uts) and fresh
     unprivileged uid, but with the Python installation whole (an agent
     imports its SDKs) and ``ro_paths`` (the agent's own files, the gateway
-    relay's socket) read-only. Writable: a size-bounded /tmp. ``env`` is
+    relay's socket) read-only. Writable: a size-bounded /tmp and
+    ``rw_paths`` (a verifiers runtime's working directory). ``env`` is
     the environment bwrap will be started with (read here for its CA paths
     only: it is never put on the argv)."""
     root = os.geteuid() == 0
@@ -231,7 +237,7 @@ def agent_prefix(env: dict[str, str], ro_paths: list[str], chdir: str, tmp_bytes
     shown = sorted({p for p in pys | {os.path.abspath(p) for p in ro_paths} if not p.startswith("/usr/")})
     # A path inside another shown one is shown by it already.
     shown = [p for p in shown if not any(p.startswith(q + "/") for q in shown)]
-    args += _ro_binds(shown)
+    args += _ro_binds(shown, rw_paths)
     args += ["--perms", "0777", "--dir", "/tmp/home", "--chdir", chdir, "--remount-ro", "/", "--"]
     return args + _drop_privileges(root)
 

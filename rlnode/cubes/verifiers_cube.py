@@ -61,7 +61,7 @@ import importlib
 import os
 import secrets
 import sys
-from typing import Annotated, Any, Awaitable, Callable, Iterator, TypeVar
+from typing import Annotated, Any, Awaitable, Callable, Iterator, Literal, TypeVar
 
 import msgspec
 from msgspec import Meta
@@ -71,6 +71,8 @@ from rlnode.cubes.base import (
     Action, AgentEndpoint, AgentTask, Cube, CubeError, CubeTaskRef, Evaluation, Reset, Split, StepResult, ToolSpec,
     run_blocking,
 )
+from rlnode.cubes import agent_sandbox, vf_runtime
+from rlnode.cubes.agent_sandbox import AgentLimits
 from rlnode.cubes.foreign_loop import ForeignLoop
 from rlnode.cubes.tasks import split_index
 from rlnode.log import get_logger
@@ -102,6 +104,16 @@ class VerifiersOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     sampling_args: dict[str, Any] = {}
     # Seconds for one whole episode, the environment's agent included.
     timeout_s: Annotated[float, Meta(gt=0)] = 600.0
+    # Where the programs a harness runs through verifiers' subprocess
+    # runtime run: "bwrap" (one sandbox per runtime, as agents have it:
+    # own pid and network namespaces, an unprivileged uid, the runtime's
+    # working directory, no run dir or keys, only the loopback ports
+    # verifiers hands them: rlnode/cubes/vf_runtime.py) or "none" (as the
+    # daemon's user; logged as an error). Process-wide: the first verifiers
+    # cube that starts decides for all.
+    isolation: Literal["bwrap", "none"] = "bwrap"
+    # What one runtime's sandbox may take (agent_sandbox.AgentLimits).
+    limits: AgentLimits = AgentLimits()
 
 
 class GatewaySampling(msgspec.Struct, forbid_unknown_fields=True):
@@ -376,6 +388,12 @@ class VerifiersCube(Cube):
                 _check(self.configs["test"], "test_env_args")
         except (ValueError, ModuleNotFoundError) as e:  # pydantic's ValidationError is a ValueError
             raise ConfigError(f"cube {self.cube_id!r}: {e}") from e
+        await agent_sandbox.check(o.isolation, self.cube_id)
+        if o.isolation == "bwrap":
+            from rlnode.cubes.openai_agent import AGENT_ENV_ALLOW
+
+            inherited = {k: v for k, v in os.environ.items() if k in AGENT_ENV_ALLOW or k.startswith("LC_")}
+            vf_runtime.install(o.limits, inherited)
         if not self.tasks["train"]:
             raise CubeError(f"verifiers env {o.env!r} yielded no train tasks")
 
