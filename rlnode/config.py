@@ -179,6 +179,8 @@ class EpisodeConfig(_Section):
     # whoever computes them (evaluator, rubric, agent): an episode outside
     # fails (retried, then counted), as one reward of 1e30 would swamp its
     # group's advantages and a NaN would waste the whole group at the trainer.
+    # The trainer reads the same key: a delivered group beyond it is rejected
+    # and counted ("reward_bound"), so set it alike on every node.
     max_abs_reward: Annotated[float, Meta(gt=0)] = 1000.0
 
 
@@ -240,7 +242,7 @@ class ActorConfig(_Section):
     # loopback port of its own (never the ops endpoint's) and the agents'
     # socket; a host that dies fails its open episodes (retried) and is
     # restarted.
-    gateway_host: Literal["inline", "process"] = "inline"
+    gateway_host: Literal["inline", "process"] = "process"
 
 
 class LossConfig(_Section):
