@@ -185,7 +185,11 @@ def test_no_fault(run):
     assert not failed, failed[:2]
     steps = steps_of(run.run_dir)
     assert steps and all(r["samples"] > 0 for r in steps), [r["samples"] for r in steps]
-    assert all(r["weights_pushed"] for r in steps), [r["weights_pushed"] for r in steps]
+    # Steps push from then on too: the first step's push may be the one the
+    # note above allows to time out (seen: [False, True, True, True]).
+    pushes = [r["weights_pushed"] for r in steps]
+    first = pushes.index(True) if True in pushes else len(pushes)
+    assert first <= 1 and all(pushes[first:]), pushes
     assert t.healthy() and all(a.healthy() for a in run.cluster.actors())
     assert not duplicated_groups(run.run_dir)
     budget = (MAX_LAG + 1) * GROUPS_PER_STEP
