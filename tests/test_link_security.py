@@ -310,3 +310,31 @@ def test_agent_cubes_give_a_loopback_link_keys_of_its_own(tmp_path):
     assert agent_link_keys(cfg("verifiers"), "all") and (tmp_path / "run" / "link-keys" / "n1.key_secret").read_bytes() == secret
     assert agent_link_keys(cfg("guessing"), "all") == ""
     assert agent_link_keys(cfg("openai-agent", curve_dir="/elsewhere"), "all") == ""
+
+
+def test_the_keyring_parses_a_key_file_once_until_it_changes(tmp_path, monkeypatch):
+    """Issue 36: every handshake and every heartbeat's revocation scan asked
+    the keyring, which parsed every key file each time (O(N) per lookup,
+    O(N^2) when N actors reconnect). Now a lookup on an unchanged directory
+    parses nothing; a key added or deleted is seen at the next lookup (the
+    directory's mtime), one rewritten in place within RESCAN_S."""
+    from rlnode.link.curve import KeyRing
+
+    names = [f"n{i}" for i in range(40)]
+    keygen(tmp_path / "keys", names)
+    ring = KeyRing(tmp_path / "keys")
+    assert sorted(ring.names().values()) == sorted(names) and ring.parses == 40
+    for _ in range(200):
+        ring.names()
+    assert ring.parses == 40
+    auth = tmp_path / "keys" / "authorized"
+    (auth / "n0.key").unlink()
+    assert "n0" not in ring.names().values() and ring.parses == 40  # a deletion: nothing re-parsed
+    keygen(tmp_path / "more", ["late"])
+    (auth / "late.key").write_bytes((tmp_path / "more" / "authorized" / "late.key").read_bytes())
+    assert "late" in ring.names().values() and ring.parses == 41
+    # n1's file rewritten in place with late's key: a key under two names binds to neither.
+    monkeypatch.setattr(KeyRing, "RESCAN_S", 0.0)
+    (auth / "n1.key").write_bytes((auth / "late.key").read_bytes() + b"\n")
+    found = ring.names()
+    assert "n1" not in found.values() and "late" not in found.values() and ring.parses == 42

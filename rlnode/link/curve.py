@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from pathlib import Path
 
 import msgspec
@@ -97,28 +98,66 @@ def authorized_dir(directory: str | os.PathLike) -> str:
 
 
 class KeyRing:
-    """The actor keys the trainer accepts, read from ``DIR/authorized/`` on
-    every lookup (a handshake or a heartbeat's revocation scan, not a
-    frame), so adding or deleting a key file takes effect without a
-    restart. A key file under two names binds to neither (ambiguous)."""
+    """The actor keys the trainer accepts, from ``DIR/authorized/``, looked
+    up at every handshake and every heartbeat's revocation scan, so adding
+    or deleting a key file takes effect without a restart. A key file under
+    two names binds to neither (ambiguous).
+
+    Cached, because those lookups are O(files) each: with N actors a tick
+    parsed N key files N times (O(N^2) when N actors reconnect at once).
+    The listing is re-read when the directory's mtime changes (a key added,
+    deleted or renamed into place) and at least every ``RESCAN_S``; a file
+    is re-parsed only when its (inode, size, mtime) changed, so a key
+    rewritten in place is seen within ``RESCAN_S``."""
+
+    RESCAN_S = 2.0
 
     def __init__(self, directory: str | os.PathLike):
         self.auth = Path(authorized_dir(directory))
+        self._dir_mtime: int | None = None
+        self._scanned_at = float("-inf")
+        self._files: dict[str, tuple[tuple[int, int, int], bytes | None]] = {}  # name -> (stat id, public key)
+        self._names: dict[bytes, str] = {}
+        self.parses = 0  # key files parsed: what the cache saves
 
     def names(self) -> dict[bytes, str]:
         """Z85 public key -> node id, for every readable ``NAME.key``."""
-        out: dict[bytes, str] = {}
-        ambiguous: set[bytes] = set()
+        try:
+            mtime = self.auth.stat().st_mtime_ns
+        except OSError:
+            mtime = None
+        now = time.monotonic()
+        if mtime == self._dir_mtime and now - self._scanned_at < self.RESCAN_S:
+            return self._names
+        self._dir_mtime, self._scanned_at = mtime, now
+        files: dict[str, tuple[tuple[int, int, int], bytes | None]] = {}
         for path in sorted(self.auth.glob("*.key")):
+            try:
+                st = path.stat()
+            except OSError:
+                continue  # deleted while listing
+            ident = (st.st_ino, st.st_size, st.st_mtime_ns)
+            cached = self._files.get(path.name)
+            if cached is not None and cached[0] == ident:
+                files[path.name] = cached
+                continue
+            self.parses += 1
             try:
                 public, _ = zmq.auth.load_certificate(path)
             except (OSError, ValueError):
-                continue  # deleted while listing, or not a key file: not accepted
+                public = None  # not a key file: not accepted
+            files[path.name] = (ident, public)
+        out: dict[bytes, str] = {}
+        ambiguous: set[bytes] = set()
+        for name, (_, public) in files.items():
+            if public is None:
+                continue
             if public in out:
                 ambiguous.add(public)
-            out[public] = path.stem
+            out[public] = name[: -len(".key")]
         for key in ambiguous:
             del out[key]
+        self._files, self._names = files, out
         return out
 
     def name_of(self, z85_public: bytes) -> str | None:
