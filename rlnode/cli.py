@@ -159,6 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--engine", choices=("vllm", "null"), default="vllm",
                        help="gateway: the engine the calls run on: vllm (the configured model, default) or null "
                        "(answers at once with --max-tokens tokens, no model: the gateway's own capacity)")
+    bench.add_argument("--curve", action="store_true",
+                       help="link: CurveZMQ on (a key pair per simulated actor), as a production link runs")
     bench.add_argument("--agent-isolation", choices=("bwrap", "none"), default="bwrap",
                        help="gateway: the openai-agent cube's isolation (default bwrap, as a cube has it; none on a "
                        "host without bubblewrap: the agents then run as the daemon's user)")

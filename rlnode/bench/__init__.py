@@ -120,7 +120,8 @@ def run_bench(name: str, cfg: Config, args) -> int:
                   "--groups-per-step >= 1, --max-lag >= 0", file=sys.stderr)
             return 2
         max_lag = 1 if args.max_lag is None else args.max_lag
-        res = asyncio.run(bench_link(cfg, actors, args.seconds, args.groups_per_step, max_lag, log=log))
+        res = asyncio.run(bench_link(cfg, actors, args.seconds, args.groups_per_step, max_lag, log=log,
+                                     curve=args.curve))
         if args.json:
             print(msgspec.json.encode(res).decode())
         else:

@@ -324,32 +324,45 @@ def _raise_fd_limit(n_max: int) -> int:
 
 async def bench_link(cfg: Config, actors: list[int], seconds: float = 5.0, groups_per_step: int = 64,
                      max_lag: int = 1, credit_want: int = 32, turns: int = 3, tokens: int = 512,
-                     idle_s: float = 1.0, log: Callable[[str], None] = lambda m: None) -> LinkScaleResult:
+                     idle_s: float = 1.0, log: Callable[[str], None] = lambda m: None,
+                     curve: bool = False) -> LinkScaleResult:
     """``credit_want``: groups each actor asks for (the actor default,
     max_concurrent_episodes 256 / attempts 8). ``cfg`` supplies the link
     timing (heartbeat_s, peer_timeout_s), attempts and the validation
-    limits; never its keys or addresses: everything stays on loopback."""
+    limits; never its keys or addresses: everything stays on loopback.
+    ``curve``: CurveZMQ on, one key pair per simulated actor (made in a
+    temporary directory), so every handshake and revocation scan consults
+    the trainer's keyring as a production trainer's does."""
+    import tempfile
+
+    from rlnode.link.curve import keygen
+
     fds = _raise_fd_limit(max(actors))
     attempts = cfg.actor.scheduler.attempts
     template = make_samples(attempts, tokens, attempts, turns=turns)[0]
-    link = LinkConfig(heartbeat_s=cfg.link.heartbeat_s, peer_timeout_s=cfg.link.peer_timeout_s)
     limits = GroupLimits.from_config(cfg, VOCAB)
     budget = (max_lag + 1) * groups_per_step
     rows = []
-    for n in actors:
-        rows.append(await _run_n(n, template, link, budget, groups_per_step, credit_want, limits, seconds,
-                                 idle_s, log))
+    with tempfile.TemporaryDirectory(prefix="rlnode-bench-keys-") as keys:
+        if curve:
+            await asyncio.to_thread(keygen, keys, [f"sim{i:04d}" for i in range(max(actors))])
+        link = LinkConfig(heartbeat_s=cfg.link.heartbeat_s, peer_timeout_s=cfg.link.peer_timeout_s,
+                          curve_dir=keys if curve else "")
+        for n in actors:
+            rows.append(await _run_n(n, template, link, budget, groups_per_step, credit_want, limits, seconds,
+                                     idle_s, log))
     load = os.getloadavg()
     return LinkScaleResult(rows, seconds, groups_per_step, max_lag, credit_want, attempts, turns, tokens,
                            len(msgspec.msgpack.encode(template)), link.heartbeat_s,
-                           {"cpu_count": os.cpu_count() or 0, "loadavg_1m": round(load[0], 2),
+                           {"curve": int(curve), "cpu_count": os.cpu_count() or 0, "loadavg_1m": round(load[0], 2),
                             "fd_limit": int(fds) if fds != resource.RLIM_INFINITY else -1})
 
 
 def print_table(r: LinkScaleResult) -> None:
     print(f"link: one trainer, N simulated actors; groups of {r.attempts} episodes x {r.turns} turns x "
           f"{r.tokens} tokens ({r.group_bytes / 1e3:,.0f} kB); groups_per_step {r.groups_per_step}, "
-          f"max_lag {r.max_lag}, want {r.credit_want}/actor, heartbeat {r.heartbeat_s:g} s; "
+          f"max_lag {r.max_lag}, want {r.credit_want}/actor, heartbeat {r.heartbeat_s:g} s, "
+          f"CURVE {'on' if r.details.get('curve') else 'off'}; "
           f"{r.seconds:g} s per N")
     print(f"{'actors':>6}{'groups/s':>10}{'trainer':>10}{'trainer':>9}{'idle':>7}{'sim':>7}"
           f"{'ack p50':>9}{'ack p99':>9}{'Jain':>7}{'Jain':>7}{'outstanding':>13}{'lost':>6}")
