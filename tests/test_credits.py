@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
 from rlnode.actor.router import LeaseMetadata
 from rlnode.config import LinkConfig
 from rlnode.link import ActorLink, TrainerLink
@@ -280,3 +282,39 @@ def test_a_dead_incarnation_s_credits_are_reclaimed_and_counted():
     led.peer_joined("n/new")
     led.on_report("n/new", CreditReport("s1", 4, 0, 0))
     assert [p.granted for p in led.grant()] == [3]  # what the budget has free, no burst
+
+
+@pytest.mark.parametrize("refusal", ["foreign_id", "handler_error"])
+async def test_a_group_refused_for_good_spends_its_credit(refusal, monkeypatch):
+    """Issue 36: two refusal paths (a group id naming another sender; a
+    handler that raised on the group) answered REJECT_INVALID_GROUP, so the
+    actor forgot the group, but the ledger never recorded its delivery: the
+    credit stayed "in hands" for good and the budget shrank by one per
+    refusal. Now it is spent, and the budget is granted again."""
+    import rlnode.link.trainer_link as trainer_link
+
+    if refusal == "handler_error":
+        real = trainer_link.validate_group
+
+        def breaks_on_bad(g, *args):
+            if g.group_id == "bad":
+                raise RuntimeError("a trainer bug this group triggers")
+            return real(g, *args)
+
+        monkeypatch.setattr(trainer_link, "validate_group", breaks_on_bad)
+    trainer = TrainerLink(ANY_PORT, FAST, credit_budget=2)
+    await trainer.start()
+    a = ActorLink(trainer.endpoint, "a", [(0, 1)], FAST, credit_want=2)
+    try:
+        await a.start()
+        await until(lambda: a.credits.granted == 2, 5, "the budget to be granted")
+        session = await a.credits.acquire()
+        gid = "zz-0123abcd-g7" if refusal == "foreign_id" else "bad"  # foreign: node zz's scheduler id
+        assert a.submit(group(gid, "a", session))
+        await until(lambda: a.counters().rejected == 1, 5, "the refusal")
+        peer = trainer.credits.peers[f"a/{a.incarnation}"]
+        await until(lambda: a.credits.granted == 3, 5, "the spent credit to be granted again")
+        assert peer.delivered == 1 and peer.in_hands == 2 and trainer.credits.outstanding() == 2
+    finally:
+        await a.close()
+        await trainer.close()

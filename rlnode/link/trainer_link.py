@@ -461,6 +461,8 @@ class TrainerLink:
             reason = "node_id" if g.node_id != peer.node_id else "group_id"
             c.invalid_groups += 1
             c.invalid_by_reason[reason] = c.invalid_by_reason.get(reason, 0) + 1
+            # The actor forgets a group it sees refused: its credit is spent.
+            self.credits.on_delivered(peer.peer_id, g.credit_session, gid, accepted=False)
             return self._unexpected(peer.peer_id, REJECT_INVALID_GROUP, f"{reason} of another sender", [gid])
         if gid in self._consumed or gid in self._buffered:
             self._on_duplicate(peer, gid)
@@ -522,6 +524,8 @@ class TrainerLink:
             if gid and gid in self._consumed:  # its resend: commit it, so the actor stops sending it
                 self._send(peer_id, Commit([gid]))
             elif gid and gid not in self._buffered:
+                # Refused for good, and the actor forgets it: its credit is spent.
+                self.credits.on_delivered(peer_id, msg.credit_session, gid, accepted=False)
                 self._invalid(peer_id, gid, "handler_error", repr(e))
             else:
                 self._send(peer_id, Reject(REJECT_MALFORMED, f"handler_error: {e!r}"[:200]))
