@@ -362,6 +362,27 @@ async def test_a_batch_with_nothing_to_train_on_makes_no_version(tiny_model_dir,
         assert trainer.version == trainer.pusher.guard.version == 4
 
 
+async def test_groups_consumed_without_a_step_are_checkpointed_at_shutdown(tiny_model_dir, tmp_path):
+    """Issue 36: a stop after groups were consumed without an optimizer step
+    (stale here; a skipped step is the same) skipped the final checkpoint
+    (no step since the last one, nothing buffered), so those groups were
+    never saved as consumed nor committed to their actors: the next trainer
+    took them again. Now the final checkpoint holds them."""
+    from rlnode.trainer.daemon import TrainerDaemon
+
+    trainer = TrainerDaemon(_trainer_cfg(tiny_model_dir, tmp_path, "actor.scheduler.max_lag=1"))
+    trainer.version = 3
+    trainer.buffer.put(_stale_group("g1", 0))
+    trainer.buffer.put(_stale_group("g2", 0))
+    async with _train_loop(trainer):
+        await _until(lambda: trainer.pending_commit, 30, "the stale batch to be consumed")
+        assert trainer.step == 0 and trainer.checkpoints.latest() is None
+    path = trainer.checkpoints.latest()
+    assert path is not None and trainer.pending_commit == []
+    state = (path / "state.json").read_text()  # the consumed ids the next trainer resumes with
+    assert '"g1"' in state and '"g2"' in state
+
+
 async def test_a_skipped_step_makes_no_version(tiny_model_dir, tmp_path):
     """A non-finite step leaves the weights as they were: the guard's version
     (the one pushes carry and samples are tagged with) and the daemon's stay

@@ -345,6 +345,13 @@ class TrainerDaemon:
         self.last_checkpoint_step = self.step
         log.info("trainer.checkpoint", path=str(path), step=self.step, version=self.version)
 
+    def unsaved(self) -> bool:
+        """Whether a checkpoint would save anything the last one lacks: a
+        step, buffered groups, or groups consumed without a step (stale or
+        skipped): those are committed to their actors only once a checkpoint
+        holds them, so without one the next trainer would take them again."""
+        return self.step > self.last_checkpoint_step or bool(len(self.buffer)) or bool(self.pending_commit)
+
     async def shutdown(self) -> None:
         from rlnode.trainer.checkpoint import save_hf_policy
 
@@ -357,8 +364,7 @@ class TrainerDaemon:
                     self.buffer.put(group)
                 if late:
                     log.info("trainer.late_groups", groups=len(late))
-            if self.learner is not None and self.link is not None and (
-                    self.step > self.last_checkpoint_step or len(self.buffer)):
+            if self.learner is not None and self.link is not None and self.unsaved():
                 await self.checkpoint()
             if self.learner is not None and self.step > 0:
                 final = self.run_dir / "final"
