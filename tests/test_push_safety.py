@@ -411,6 +411,11 @@ async def test_a_skipped_step_makes_no_version(tiny_model_dir, tmp_path):
         trainer.buffer.put(_stale_group("g4", 0))
         await _until(lambda: trainer.step == 1, 60, "a real step")
         assert trainer.version == trainer.pusher.guard.version == 1
+    # metrics.jsonl: the skipped step is its own record kind, with no step
+    # number (it repeated the previous step's), then step 1.
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in records if "no_step" not in r]
+    assert [(r.get("step"), r.get("skipped_step", False)) for r in trained] == [(None, True), (1, False)]
 
 
 async def test_the_trainer_waits_while_its_engines_are_more_than_max_lag_behind(tiny_model_dir, tmp_path):

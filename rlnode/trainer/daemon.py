@@ -304,6 +304,11 @@ class TrainerDaemon:
             **{f"offpolicy/{k}": v for k, v in m.mismatch.items()},
             "token_lag_hist": {str(k): n for k, n in sorted(m.token_lag_hist.items())},
         }
+        if m.skipped:
+            # The weights did not move: no optimizer step, so no step number
+            # (it would repeat the previous step's); a record kind of its own.
+            del rec["step"]
+            rec["skipped_step"] = True
         self.last_metrics = rec
         self.step_history.append(rec)
         self.metrics.write(rec)
