@@ -202,16 +202,20 @@ async def test_cancel_leaves_no_leases_or_open_tasks(engine):
     await assert_engine_idle(engine)
 
 
-async def test_each_node_draws_its_own_tasks_and_a_node_draws_them_again():
+async def test_each_node_and_each_restart_draws_its_own_tasks():
     """Two actors of one run (one run.seed) must not play the same tasks in
-    the same order; a restarted node replays its own draws."""
-    async def draws(node_id: str) -> list[str]:
+    the same order, and a restarted node (a new incarnation) must not replay
+    its first tasks (issue 36: a crash-looping actor replayed the same first
+    tasks, with the same sampling seeds, after every restart). One
+    incarnation's draws are reproducible."""
+    async def draws(node_id: str, incarnation: str) -> list[str]:
         cube = GuessingCube("g", GuessingOptions(), seed=0)
         settings = EpisodeSettings(SamplingSettings(max_tokens=6), max_turns=3, max_model_len=1024)
         sched = RolloutScheduler({"g": cube}, {"g": 1.0}, [], None, None, SchedulerConfig(), settings,
-                                 VersionSource(0), seed=0, node_id=node_id)
+                                 VersionSource(0), seed=0, node_id=node_id, incarnation=incarnation)
         await sched.prepare()
         return [sched.next_task().task_id for _ in range(20)]
 
-    a = await draws("a")
-    assert a == await draws("a") and a != await draws("b")
+    a = await draws("a", "1f2e3d4c")
+    assert a == await draws("a", "1f2e3d4c") and a != await draws("b", "1f2e3d4c")
+    assert a != await draws("a", "9a8b7c6d")

@@ -180,7 +180,7 @@ class ActorDaemon:
             msgspec.structs.replace(cfg.actor.scheduler, max_lag=effective_max_lag(cfg)),
             episode_settings(cfg), self.versions,
             seed=cfg.run.seed, on_eval=self._on_eval, id_prefix=f"{self.node_id}-{self.incarnation}-",
-            gateway=self.gateway, node_id=self.node_id,
+            gateway=self.gateway, node_id=self.node_id, incarnation=self.incarnation,
         )
         await sched.prepare()
         return sched

@@ -163,6 +163,7 @@ class RolloutScheduler:
         gate: GroupGate | None = None,
         gateway=None,
         node_id: str = "",
+        incarnation: str = "",
     ):
         self.cubes, self.cfg, self.episode = cubes, cfg, episode
         self.eval_episode = episode
@@ -180,14 +181,17 @@ class RolloutScheduler:
         # Group ids must be unique across actors and actor restarts (the
         # trainer drops duplicates by id): the daemon passes node + incarnation.
         self.id_prefix = id_prefix
-        # Task draws: per node (two actors of one run must not play the same
-        # tasks in the same order), stable across its restarts.
-        self.rng = random.Random(f"{seed}/{node_id}" if node_id else seed)
-        # Sampling seeds: (run seed, node, group index, task, attempt,
-        # retry, turn) -> one seed per LLM call (episode.request_seed). The
-        # node id (stable across restarts, unlike the incarnation) keeps two
-        # actors that draw the same task at the same index apart.
+        # Task draws: per node and per incarnation (a start of the daemon).
+        # Two actors of one run must not play the same tasks in the same
+        # order, nor may a crash-looping actor replay its first tasks, with
+        # the same sampling seeds, after every restart.
+        self.rng = random.Random(f"{seed}/{node_id}/{incarnation}" if node_id or incarnation else seed)
+        # Sampling seeds: (run seed, node and incarnation, group index, task,
+        # attempt, retry, turn) -> one seed per LLM call
+        # (episode.request_seed). Eval episodes leave the incarnation out:
+        # a version's eval is the same on every start.
         self.seed, self.node_id = seed, node_id
+        self.draw_id = f"{node_id}/{incarnation}" if incarnation else node_id
         self.stats = {c: CubeStats() for c in cubes}
         self.eval_stats: dict[str, CubeStats] = {}
         self.started_groups = 0
@@ -272,7 +276,7 @@ class RolloutScheduler:
         group_id = f"{self.id_prefix}g{index:07d}"
         settled = False  # handed to `out`, or its credit given back
         try:
-            seed = request_seed(self.seed, self.node_id, "train", index, ref.cube_id, ref.task_id)
+            seed = request_seed(self.seed, self.draw_id, "train", index, ref.cube_id, ref.task_id)
             settled = await self._play_admitted(ref, group_id, out, session, seed)
         except BaseException as e:
             if not settled:
