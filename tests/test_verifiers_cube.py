@@ -360,18 +360,31 @@ async def test_a_harness_program_runs_behind_the_agents_wall(vf, tmp_path, monke
     """A harness that runs its agent as a program in verifiers' subprocess
     runtime (as upstream's CLI harnesses do): the program reaches the model
     through the endpoint verifiers gave it (its port mirrored into the box),
-    and every escape its tool calls could try is refused: the node's link
-    keys, the daemon's /proc environment, the link port on loopback, a fork
-    bomb (limits.processes), the daemon's secrets in its environment."""
-    import socket
+    and every escape its tool calls could try is refused: the daemon's /proc
+    environment, a fork bomb (limits.processes), the daemon's secrets in its
+    environment, and the node's real CURVE keys, with which it would
+    register as the node and deliver a group (real frames) to a real trainer
+    link on loopback: nothing reaches it."""
+    import msgspec
 
     import vf_envs
+    from rlnode.bench.fuzz import FrameMaker
+    from rlnode.config import load_config
     from rlnode.link.curve import auto_keys
+    from rlnode.link.trainer_link import TrainerLink
+    from rlnode.link.validate import GroupLimits
+    from rlnode.wire import EngineInfo, Register
+    from test_link import ANY_PORT, FAST
 
     keys = auto_keys(tmp_path / "run", "n1")
-    link = socket.create_server(("127.0.0.1", 0))  # stands for the link's loopback port
+    link = TrainerLink(ANY_PORT, msgspec.structs.replace(FAST, curve_dir=keys))
+    await link.start()
+    frames = {"register": Register("n1", "stolen", [EngineInfo(0, 1)]),
+              "deliver": FrameMaker(GroupLimits.from_config(load_config(None, []), 256), "n1").valid_group(0)}
     monkeypatch.setenv("HF_TOKEN", "hf-secret")
-    for k, v in {"KEY_DIR": keys, "DAEMON_PID": str(os.getpid()), "LINK_PORT": str(link.getsockname()[1])}.items():
+    for k, v in {"KEY_DIR": keys, "NODE_ID": "n1", "DAEMON_PID": str(os.getpid()),
+                 "LINK_PORT": link.endpoint.rsplit(":", 1)[1],
+                 "FRAMES": json.dumps({k: msgspec.msgpack.encode(f).hex() for k, f in frames.items()})}.items():
         monkeypatch.setenv(f"VF_TEST_{k}", v)
     vf_envs.ExitHarness.reports.clear()
     cube = single_cube(env_args={**LOCAL, "taskset": {"task": {"exit_in": "tool"}}}, limits={"processes": 64})
@@ -380,13 +393,15 @@ async def test_a_harness_program_runs_behind_the_agents_wall(vf, tmp_path, monke
         task = await cube.open_task("train-00001")
         async with scripted_server(lambda m: "2") as (endpoint, requests):
             reward = await task.run_agent(endpoint, {})
+        (printed,) = vf_envs.ExitHarness.reports.values()
+        report = json.loads(printed.split("REPORT ", 1)[1])
+        assert report.pop("model_call") == "ok: 200" and len(requests) == 1 and reward in (0.0, 1.0)
+        assert report.pop("uid") != 0 and report.pop("secrets_in_env") == []
+        assert all(v.startswith("refused") for v in report.values()), report
+        c = link.counters
+        assert (c.frames_in, c.registrations, c.groups_accepted) == (0, 0, 0) and not link.peers()
     finally:
-        link.close()
-    (printed,) = vf_envs.ExitHarness.reports.values()
-    report = json.loads(printed.split("REPORT ", 1)[1])
-    assert report.pop("model_call") == "ok: 200" and len(requests) == 1 and reward in (0.0, 1.0)
-    assert report.pop("uid") != 0 and report.pop("secrets_in_env") == []
-    assert all(v.startswith("refused") for v in report.values()), report
+        await link.close()
 
 
 def test_rlnode_eval_prints_one_line_for_a_cube_that_cannot_start(vf, tmp_path, capsys):

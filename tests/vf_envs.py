@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+from pathlib import Path
 from typing import Literal
 
 import verifiers.v1 as vf
@@ -78,7 +79,8 @@ class ExitHarness(vf_guess.GuessHarness):
             # upstream's CLI harnesses do): the program makes the model call
             # and, being the policy's tool, tries what a tool call could.
             await runtime.write("tool.py", TOOL_PROGRAM.encode())
-            passed = {k: os.environ[k] for k in os.environ if k.startswith("VF_TEST_")}
+            await runtime.write("agent_fixtures.py", (Path(__file__).parent / "agent_fixtures.py").read_bytes())
+            passed = {k[len("VF_TEST_"):]: os.environ[k] for k in os.environ if k.startswith("VF_TEST_")}
             result = await runtime.run_program([sys.executable, "tool.py"], {
                 **passed, "OPENAI_BASE_URL": endpoint, "OPENAI_API_KEY": secret, "MODEL": ctx.model})
             ExitHarness.reports[data.id] = result.stdout + result.stderr
@@ -97,7 +99,8 @@ class ExitHarness(vf_guess.GuessHarness):
 # The "tool" program: one model call through the endpoint it was given,
 # then every escape a tool call could try; prints what each got as JSON.
 TOOL_PROGRAM = r"""
-import json, os, socket, time, urllib.request
+import json, os, socket, urllib.request
+import agent_fixtures  # written beside it: the openai-agent tests' escapes, reused
 out = {"uid": os.getuid()}
 def attempt(name, fn):
     try:
@@ -109,26 +112,10 @@ def call():
     req = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/chat/completions", data=body, headers={
         "Authorization": "Bearer " + os.environ["OPENAI_API_KEY"], "Content-Type": "application/json"})
     return urllib.request.urlopen(req, timeout=20).status
-def fork_bomb():
-    children = []
-    try:
-        while len(children) < 1000:
-            pid = os.fork()
-            if pid == 0:
-                time.sleep(60)
-                os._exit(0)
-            children.append(pid)
-    except OSError as e:
-        raise OSError("fork refused after %d" % len(children)) from e
-    finally:
-        for pid in children:
-            os.kill(pid, 9)
-            os.waitpid(pid, 0)
 attempt("model_call", call)
-attempt("read_keys", lambda: os.listdir(os.environ["VF_TEST_KEY_DIR"]))
-attempt("daemon_environ", lambda: open("/proc/%s/environ" % os.environ["VF_TEST_DAEMON_PID"], "rb").read(10))
-attempt("link_port", lambda: socket.create_connection(("127.0.0.1", int(os.environ["VF_TEST_LINK_PORT"])), 2).close())
-attempt("fork_bomb", fork_bomb)
+attempt("daemon_environ", lambda: open("/proc/%s/environ" % os.environ["DAEMON_PID"], "rb").read(10))
+out["fork_bomb"] = agent_fixtures.fork_until_refused()
+out.update(agent_fixtures.steal_the_link())
 out["secrets_in_env"] = sorted(k for k in os.environ if k in ("HF_TOKEN", "AWS_SECRET_ACCESS_KEY"))
 print("REPORT " + json.dumps(out))
 """
