@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from rlnode.config import AdvantageConfig, LossConfig
-from rlnode.trainer.loss import LossInputs, equal_reward_groups, group_advantages, next_entropy_coef, policy_loss, zero_signal_groups
+from rlnode.trainer.loss import (LOG_RATIO_MAX, LossInputs, equal_reward_groups, group_advantages,
+                                 next_entropy_coef, policy_loss, zero_signal_groups)
 
 LN2 = math.log(2.0)
 
@@ -243,6 +244,19 @@ def test_a_token_sampled_far_below_the_trainer_gives_no_nan(kind, dual_clip):
         # side), finite.
         stale = math.exp(20) / 2 if (kind, dual_clip, adv) == ("gspo", 0.0, -1.0) else 0.0
         close(logpi.grad, [[-adv / 2], [stale]])
+
+
+@pytest.mark.parametrize("kind", ["tis_reinforce", "ppo_clip", "gspo"])
+def test_ratio_stats_read_the_bounded_ratio(kind):
+    # The same overflowing token (r = e^99, inf in fp32): the ratio figures
+    # read exp(min(log r, LOG_RATIO_MAX)) = e^20, finite, and the loss is
+    # the same as before (the figures feed nothing).
+    logpi = torch.tensor([[-1.0], [-1.0]], requires_grad=True)
+    inp = LossInputs(logpi, torch.tensor([[-1.0], [-100.0]]), torch.tensor([1.0, 1.0]), torch.ones(2, 1))
+    m = policy_loss(inp, LossConfig(kind=kind), normalizer=2).metrics
+    assert m["ratio_max"] == pytest.approx(math.exp(LOG_RATIO_MAX), rel=1e-6)
+    assert m["ratio_mean"] == pytest.approx((1 + math.exp(LOG_RATIO_MAX)) / 2, rel=1e-6)
+    assert m["logprob_diff_mean"] == pytest.approx(99 / 2)  # the raw size, in log space
 
 
 def test_gspo_dual_clip_bounds_the_sequence_ratio():

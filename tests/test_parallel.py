@@ -12,6 +12,7 @@ on CPU with gloo:
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import subprocess
@@ -115,6 +116,17 @@ def test_two_ranks_step_like_one_rank(model_dir, hf_model):
     assert m2.on_policy_diff_max > 0.1  # the shifted sample is lag 0: it is in the max
     assert m2.extra["micro_batches"] > m1.extra["micro_batches"] - 1
     assert m2.extra["pad_fraction"] == m2.extra["pad_tokens"] / m2.extra["forward_tokens"] > 0  # of the sums
+    # Every loss figure combines across ranks as across micro-batches
+    # (rlnode/trainer/metrics.py): ratio_max is the max over the step's
+    # tokens, e^0.2 on g1/e1 (behaviour 0.2 below), wherever that sample
+    # ran; a token-weighted mean of the parts' maxima reads less.
+    assert m1.extra["ratio_max"] == pytest.approx(math.exp(0.2), rel=1e-4)
+    layout = {"micro_batches", "forward_tokens", "pad_tokens", "pad_fraction"}
+    assert set(m2.extra) == set(m1.extra)
+    for k in set(m1.extra) - layout:
+        assert m2.extra[k] == pytest.approx(m1.extra[k], rel=1e-5, abs=1e-6), k
+    assert m2.extra["tokens"] == m1.extra["tokens"] == m1.tokens
+    assert m2.mismatch["logprob_absdiff_max"] == pytest.approx(0.2, abs=1e-4)
     assert set(g2) == set(g1)
     for n in g1:
         assert (g2[n] - g1[n]).abs().max() < 1e-6, n

@@ -29,6 +29,7 @@ import numpy as np
 import structlog
 import torch
 
+from rlnode.trainer.metrics import strict_record
 from rlnode.trainer.state_io import load_state, save_state
 
 TRAINER_STATE = "trainer_state"  # optimizer, lr scheduler, RNG: safetensors + JSON (state_io.py)
@@ -170,7 +171,10 @@ class MetricsWriter:
         self.sink_failures = 0
 
     def write(self, record: dict[str, Any]) -> None:
-        self._f.write(json.dumps(record) + "\n")
+        """The file gets strict JSON: a non-finite value is written as null
+        and named in the record's "nonfinite" list (metrics.strict_record);
+        the trackers get ``record`` as it is (they chart NaN and inf)."""
+        self._f.write(json.dumps(strict_record(record), allow_nan=False) + "\n")
         for sink in list(self.sinks):
             try:
                 sink.write(record)

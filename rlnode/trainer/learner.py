@@ -37,6 +37,7 @@ from rlnode.config import Config, ConfigError
 from rlnode.trainer.buffer import Batch
 from rlnode.trainer.loss import LossInputs, mismatch_figures, policy_loss
 from rlnode.trainer.memory_plan import check_learner_memory, resolve_adamw_impl
+from rlnode.trainer.metrics import combine
 from rlnode.trainer.scoring import (MicroBatch, PackedRow, bucket_micro_batches, budget_micro_batches,
                                     chunked_logprobs, packed_inputs, padded_inputs)
 
@@ -309,7 +310,7 @@ class Learner:
         if batch.entropy_coef is not None and batch.entropy_coef != loss_cfg.entropy_coef:
             loss_cfg = msgspec.structs.replace(loss_cfg, entropy_coef=batch.entropy_coef)
         self.optimizer.zero_grad(set_to_none=True)
-        total_loss, diff_sum, agg = 0.0, 0.0, {}
+        total_loss, parts = 0.0, []
         on_policy_max: float | None = None
         # The step's trained tokens, for the train/inference mismatch figures.
         log_ratios: list[torch.Tensor] = []
@@ -341,16 +342,15 @@ class Learner:
             token_lags.append(lag[trained].cpu())
             completion_tokens += sum(len(s.completion_ids) // 4 for s in part)
             total_loss += float(out.loss.detach())
-            diff_sum += out.metrics["logprob_diff_mean"] * out.metrics["tokens"]
+            parts.append(out.metrics)
             lag0 = [j for j, i in enumerate(mb.samples) if batch.lags[i] == 0]
             if lag0:
                 d = ((logp.detach() - mu).abs() * mask)[lag0].max().item()
                 on_policy_max = d if on_policy_max is None else max(on_policy_max, d)
-            # Micro-batch metrics are means over its tokens: weight by them.
-            for k, v in out.metrics.items():
-                agg.setdefault(k, []).append((float(v), out.metrics.get("tokens", 1.0)))
         grad_norm, stepped = self._clip_and_step(math.isfinite(total_loss))
-        extra = {k: sum(v * n for v, n in vals) / max(1, sum(n for _, n in vals)) for k, vals in agg.items()}
+        # Each figure by its own rule (metrics.REDUCE): sums, maxima, means
+        # weighted by each micro-batch's tokens. The ranks merge with it too.
+        extra = combine(parts)
         # In every step's metrics, so a skip shows as a 1 next to its loss.
         extra["nonfinite_skip"] = float(not stepped)
         extra["nonfinite_skips_total"] = float(self.skipped_steps)
@@ -377,7 +377,8 @@ class Learner:
             lag_hist = {int(v): int(c) for v, c in zip(values.tolist(), counts.tolist())}
         return StepMetrics(
             loss=total_loss, grad_norm=grad_norm, lr=self.scheduler.get_last_lr()[0], samples=len(samples),
-            tokens=tokens, logprob_diff_mean=diff_sum / max(1, tokens), on_policy_diff_max=on_policy_max, extra=extra,
+            tokens=tokens, logprob_diff_mean=extra.get("logprob_diff_mean", 0.0), on_policy_diff_max=on_policy_max,
+            extra=extra,
             step_s=time.perf_counter() - t0, skipped=not stepped, mismatch=mismatch, token_lag_hist=lag_hist,
         )
 

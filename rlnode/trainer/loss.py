@@ -104,10 +104,11 @@ class LossInputs:
 class LossOutput:
     loss: torch.Tensor  # scalar: this micro-batch's share of the step's loss
     # Over this micro-batch's masked tokens: tokens, ratio_mean, ratio_max
-    # (token ratios r_t, gspo too), clip_fraction, logprob_diff_mean
-    # (mean |logpi - logmu|), kl (kl_coef > 0), entropy (when given).
-    # Combine micro-batches by
-    # weighting the means with metrics["tokens"].
+    # (token ratios r_t, gspo too, bounded at e^LOG_RATIO_MAX: see the stats
+    # in policy_loss), clip_fraction, logprob_diff_mean (mean |logpi -
+    # logmu|), kl (kl_coef > 0), entropy (when given). Micro-batches (and
+    # ranks) combine each by its rule in rlnode/trainer/metrics.py (REDUCE:
+    # the means weighted by metrics["tokens"], ratio_max by max).
     metrics: dict[str, float]
 
 
@@ -233,10 +234,21 @@ def policy_loss(inp: LossInputs, cfg: LossConfig, normalizer: float) -> LossOutp
 
     tokens = m.sum().float()
     den = tokens.clamp(min=1)
+    # The ratio statistics read r_t bounded as the PPO surrogates read it,
+    # exp(min(log r_t, LOG_RATIO_MAX)), not the raw exp(): a token 89 nats
+    # more likely under pi than under mu overflows fp32 to inf, and one such
+    # token made ratio_mean inf (and metrics.jsonl non-JSON) for the whole
+    # step. No loss reads these values, so the math is unchanged; for
+    # "ppo_clip" and "gspo" they are the ratios the loss used, and for
+    # "tis_reinforce" (weight min(r_t, is_cap)) the bound changes nothing
+    # the loss sees. ratio_max = e^20 ~ 4.9e8 reads "at or past the bound";
+    # the unbounded size is in logprob_diff_mean and the mismatch figures'
+    # logprob_absdiff_max (log space, finite).
+    ratio_seen = log_ratio.detach().clamp(max=LOG_RATIO_MAX).exp().masked_fill(~m, 0.0)  # [B, T]
     stats = {
         "tokens": tokens,
-        "ratio_mean": ratio.masked_fill(~m, 0.0).sum() / den,
-        "ratio_max": ratio.masked_fill(~m, 0.0).max(),  # r > 0: padding never wins
+        "ratio_mean": ratio_seen.sum() / den,
+        "ratio_max": ratio_seen.max(),  # r > 0: padding never wins
         "clip_fraction": (clipped & m).sum() / den,
         "logprob_diff_mean": log_ratio.detach().abs().sum() / den,
     }

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from rlnode.config import Config
 from rlnode.log import get_logger
+from rlnode.trainer.metrics import combine
 from rlnode.wire import TrainingSample
 
 log = get_logger("rlnode.trainer.rank")
@@ -253,51 +254,25 @@ class RankLearner:
         return self._reduce(m)
 
     def _reduce(self, m):
-        """Every rank's metrics, combined as one step's (rank 0's result)."""
+        """Every rank's metrics, combined as one step's (rank 0's result):
+        each figure by metrics.REDUCE, the function that merges a rank's
+        micro-batches (grad_norm and lr are the step's already)."""
         from rlnode.trainer.learner import StepMetrics
 
         # StepMetrics is a dataclass: msgspec encodes and decodes it as is.
         mine = _encoder.encode(m)
         all_ = [msgspec.msgpack.decode(b, type=StepMetrics) for b in all_gather_bytes(mine, self.ctl)]
-        tokens = sum(r.tokens for r in all_)
-        onp = [r.on_policy_diff_max for r in all_ if r.on_policy_diff_max is not None]
-        extra: dict[str, float] = {}
-        for k in {k for r in all_ for k in r.extra}:
-            if k in ("micro_batches", "forward_tokens", "pad_tokens"):
-                extra[k] = sum(r.extra.get(k, 0.0) for r in all_)
-            elif k.startswith("nonfinite"):
-                extra[k] = max(r.extra.get(k, 0.0) for r in all_)
-            else:  # means over tokens
-                w = sum(r.tokens for r in all_ if k in r.extra)
-                extra[k] = sum(r.extra[k] * r.tokens for r in all_ if k in r.extra) / max(1, w)
-        if "pad_tokens" in extra:  # a ratio of the sums, not a mean of ratios
-            extra["pad_fraction"] = extra["pad_tokens"] / max(1.0, extra["forward_tokens"])
-        # Mismatch figures: counts add, maxima take the max, means weigh by
-        # each rank's tokens in that lag group; a p99 takes the ranks' max (an
-        # upper bound: the exact one needs every rank's tokens in one place).
-        mismatch: dict[str, float] = {}
-        for k in {k for r in all_ for k in r.mismatch}:
-            group = k.rpartition("/")[0] + "/" if "/" in k else ""
-            have = [r for r in all_ if k in r.mismatch]
-            if k.endswith("tokens"):
-                mismatch[k] = sum(r.mismatch[k] for r in have)
-            elif k.endswith("_max") or k.endswith("_p99"):
-                mismatch[k] = max(r.mismatch[k] for r in have)
-            else:
-                w = [r.mismatch.get(group + "tokens", r.tokens) for r in have]
-                mismatch[k] = sum(r.mismatch[k] * x for r, x in zip(have, w)) / max(1.0, sum(w))
+        top = combine([_fields(r) for r in all_])
+        m.loss, m.samples, m.tokens, m.step_s = top["loss"], int(top["samples"]), int(top["tokens"]), top["step_s"]
+        m.logprob_diff_mean = top["logprob_diff_mean"]
+        m.on_policy_diff_max = top.get("on_policy_diff_max")
+        m.extra = combine([r.extra for r in all_])
+        m.mismatch = combine([r.mismatch for r in all_])
         hist: dict[int, int] = {}
         for r in all_:
             for lag, n in r.token_lag_hist.items():
                 hist[lag] = hist.get(lag, 0) + n
-        m.mismatch, m.token_lag_hist = mismatch, hist
-        m.loss = sum(r.loss for r in all_)
-        m.samples = sum(r.samples for r in all_)
-        m.tokens = tokens
-        m.logprob_diff_mean = sum(r.logprob_diff_mean * r.tokens for r in all_) / max(1, tokens)
-        m.on_policy_diff_max = max(onp) if onp else None
-        m.extra = extra
-        m.step_s = max(r.step_s for r in all_)
+        m.token_lag_hist = hist
         return m
 
     # -- gathers ---------------------------------------------------------------
@@ -354,6 +329,15 @@ class RankLearner:
                     self.learner.scheduler.load_state_dict(dict(state))
                 case Stop():
                     return
+
+
+def _fields(m) -> dict[str, float]:
+    """A rank's StepMetrics fields that combine across ranks, by name."""
+    out = {"loss": m.loss, "samples": m.samples, "tokens": m.tokens, "logprob_diff_mean": m.logprob_diff_mean,
+           "step_s": m.step_s}
+    if m.on_policy_diff_max is not None:  # a rank without lag-0 samples has none
+        out["on_policy_diff_max"] = m.on_policy_diff_max
+    return out
 
 
 # ---------------------------------------------------------------------------
