@@ -239,9 +239,11 @@ class ActorConfig(_Section):
     # process of its own, on its own cores, talking to the daemon over one
     # typed channel; the daemon keeps admission, the engine call and the
     # samples (rlnode/actor/gateway/hosted.py). The host then listens on a
-    # loopback port of its own (never the ops endpoint's) and the agents'
-    # socket; a host that dies fails its open episodes (retried) and is
-    # restarted.
+    # port of its own (any free one, on http.host; loopback with [http]
+    # off), never the ops endpoint's, and on the agents' socket; a host that
+    # dies fails its open episodes (retried) and is restarted on the same
+    # sockets. One host serves ~700-900 calls/s (1.1-1.5 ms of its CPU per
+    # call); the daemon's loop keeps ~0.4 ms per call.
     gateway_host: Literal["inline", "process"] = "process"
 
 

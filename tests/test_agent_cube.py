@@ -17,11 +17,11 @@ from conftest import assert_engine_idle, reference_logprobs
 from rlnode.actor.agent_episode import AgentFailed, run_agent_episode
 from rlnode.actor.engine import SamplingSettings
 from rlnode.actor.episode import ChatRenderer, EpisodeSettings, RewardRefused
-from rlnode.actor.gateway import Gateway
+from rlnode.actor.gateway import make_gateway
 from rlnode.actor.generation import LLMClient
 from rlnode.actor.router import AdmissionRouter
 from rlnode.actor.scheduler import CubeStats, RolloutScheduler, VersionSource
-from rlnode.config import SchedulerConfig
+from rlnode.config import ActorConfig, ModelConfig, SchedulerConfig
 from rlnode.cubes.base import CubeError, CubeTaskRef
 from rlnode.cubes.openai_agent import AGENT_ENV_ALLOW
 from rlnode.cubes.registry import make_cube
@@ -40,9 +40,15 @@ def router():
     return AdmissionRouter(1, 16)
 
 
+def default_gateway(client, tokenizer, model_dir, settings=SETTINGS, model_name="rlnode"):
+    """The gateway where the daemon runs it by default (actor.gateway_host)."""
+    return make_gateway(ActorConfig().gateway_host, client, ChatRenderer(tokenizer), ModelConfig(path=str(model_dir)),
+                        settings, model_name)
+
+
 @pytest.fixture
-async def gateway(engine, tokenizer, router):
-    gw = Gateway(LLMClient([engine], router), ChatRenderer(tokenizer), SETTINGS)
+async def gateway(engine, tokenizer, router, tiny_model_dir):
+    gw = default_gateway(LLMClient([engine], router), tokenizer, tiny_model_dir)
     async with gw.serve():
         yield gw
     assert not gw.sessions
@@ -179,11 +185,12 @@ async def test_agent_stopped_by_the_gateway_still_counts(gateway, hf_model):
 
 
 @pytest.mark.parametrize("agent", ["crash", "exits"])  # exits: SystemExit from foreign code must not end the daemon
-async def test_scheduler_retries_a_crashing_agent_then_counts_it(agent, engine, tokenizer, router, tmp_path):
+async def test_scheduler_retries_a_crashing_agent_then_counts_it(agent, engine, tokenizer, router, tmp_path,
+                                                                 tiny_model_dir):
     cube = await started({"agent": f"{FIXTURES}:{agent}", "tasks": tasks_file(tmp_path)}, "crashy")
     client = LLMClient([engine], router)
     renderer = ChatRenderer(tokenizer)
-    gw = Gateway(client, renderer, SETTINGS)
+    gw = default_gateway(client, tokenizer, tiny_model_dir)
     cfg = SchedulerConfig(attempts=1, groups_per_step=1, max_retries=2, retry_backoff_s=0.0)
     sched = RolloutScheduler({"crashy": cube}, {"crashy": 1.0}, [], client, renderer, cfg, SETTINGS,
                              VersionSource(0), gateway=gw)

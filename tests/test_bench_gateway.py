@@ -13,6 +13,7 @@ from rlnode.actor.router import AdmissionRouter
 from rlnode.bench.gateway import DEMO_GAME, GatewayBenchResult, compare, null_engine, print_table
 from rlnode.bench.null_engine import NullEngine
 from rlnode.cli import build_parser
+from rlnode.config import ModelConfig
 
 
 @pytest.mark.engine
@@ -75,7 +76,8 @@ async def test_null_engine_answers_like_an_engine(tokenizer):
     assert eng.requests_total == 7 and eng.in_flight == 0 and eng.failing() == ""
 
 
-async def test_bench_gateway_on_the_null_engine(tokenizer, capsys):
+@pytest.mark.parametrize("gateway_host", ["inline", "process"])
+async def test_bench_gateway_on_the_null_engine(gateway_host, tokenizer, capsys):
     n = 4
     settings = EpisodeSettings(SamplingSettings(max_tokens=n, ignore_eos=True), max_turns=8, max_model_len=2048)
     renderer = ChatRenderer(tokenizer)
@@ -83,7 +85,8 @@ async def test_bench_gateway_on_the_null_engine(tokenizer, capsys):
     await eng.start()
     router = AdmissionRouter(1, 6)
     res = await compare(LLMClient([eng], router), renderer, settings, DEMO_GAME, seed=0, episodes=12,
-                        concurrency=6, rounds=1, log=lambda msg: None, engine="null")
+                        concurrency=6, rounds=1, log=lambda msg: None, engine="null", gateway_host=gateway_host,
+                        model=ModelConfig(path=tokenizer.name_or_path))
     assert router.in_flight == [0] and eng.in_flight == 0 and isinstance(eng, NullEngine)
     raw = res.raw_rounds
     timed = {m: sum(st.calls for st in raw[m]) for m in raw}
@@ -99,7 +102,8 @@ async def test_bench_gateway_on_the_null_engine(tokenizer, capsys):
             # agent's workers in gateway rounds only, no engine processes.
             assert 0 < st.loop_cpu_s <= st.daemon_cpu_s + 1e-3
             assert (st.agent_cpu_s > 0) == (mode == "gateway") and st.engine_cpu_s == 0
-    assert res.engine == "null" and res.history_resets == 0
+            assert gateway_host == "process" or st.host_cpu_s == 0  # no host process inline
+    assert res.engine == "null" and res.history_resets == 0 and res.gateway_host == gateway_host
     assert res.calls_per_s > 0 and res.native_calls_per_s > 0
     assert res.loop_ms_per_call["gateway"] > 0 and res.agent_ms_per_call > 0
     assert res.engine_ms_per_call == {"native": 0.0, "gateway": 0.0}

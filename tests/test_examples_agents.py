@@ -35,9 +35,10 @@ from daemons import ROOT, free_port
 from rlnode.actor.agent_episode import run_agent_episode
 from rlnode.actor.engine import Completion, SamplingSettings
 from rlnode.actor.episode import ChatRenderer, EpisodeSettings
-from rlnode.actor.gateway import Gateway
+from rlnode.actor.gateway import make_gateway
 from rlnode.actor.generation import Generation, LLMClient
 from rlnode.actor.router import AdmissionRouter, LeaseMetadata
+from rlnode.config import ActorConfig, ModelConfig
 from rlnode.cubes.base import ToolSpec
 from rlnode.cubes.registry import make_cube
 from rlnode.cubes.tasks import first_number
@@ -83,7 +84,7 @@ async def test_agents_sdk_agent_plays_through_the_gateway(engine, tokenizer, hf_
     settings = EpisodeSettings(SamplingSettings(max_tokens=4, temperature=1.0), max_turns=8, max_model_len=2048)
     router = AdmissionRouter(1, 16)
     renderer = ChatRenderer(tokenizer)
-    gw = Gateway(LLMClient([engine], router), renderer, settings, model_name="tiny")
+    gw = default_gateway(LLMClient([engine], router), tokenizer, settings, model_name="tiny")
     cube = await agent_cube()
     ids = (await cube.task_ids("train"))[:4]
     async with gw.serve():
@@ -147,7 +148,14 @@ CALL_4 = '<tool_call>{"name": "guess", "arguments": {"number": 4}}</tool_call>'
 
 def scripted_gateway(tokenizer, texts):
     policy = ScriptedPolicy(tokenizer, texts)
-    return policy, Gateway(policy, ChatRenderer(tokenizer), SCRIPTED)
+    return policy, default_gateway(policy, tokenizer, SCRIPTED)
+
+
+def default_gateway(client, tokenizer, settings, model_name="rlnode"):
+    """The gateway where the daemon runs it by default (actor.gateway_host);
+    a host process builds its renderer from the tokenizer's directory."""
+    return make_gateway(ActorConfig().gateway_host, client, ChatRenderer(tokenizer),
+                        ModelConfig(path=tokenizer.name_or_path), settings, model_name)
 
 
 async def test_agents_sdk_tool_call_round_trip_extends_the_prompt(tokenizer):

@@ -252,6 +252,16 @@ async def test_the_channel_batches_in_order_and_reports_a_broken_peer():
     a.close(), b.close()
 
 
+def test_frames_split_or_joined_across_reads_decode_whole():
+    got, lost = [], []
+    chan = Channel(ToDaemon, got.append, lost.append)
+    frames = [msgspec.msgpack.encode([Abort(i)]) for i in range(3)]
+    stream = b"".join(len(f).to_bytes(4, "big") + f for f in frames)
+    for piece in (stream[:2], stream[2:7], stream[7:]):  # a header split, a body split, two frames at once
+        chan.data_received(piece)
+    assert got == [[Abort(0)], [Abort(1)], [Abort(2)]] and not lost and not chan._buf
+
+
 def test_wire_schema_evolution():
     """Old frames decode: fields appended with defaults may be missing."""
     old = msgspec.msgpack.encode([["Generate", 1, "t", 0, [1, 2], 1.0, 8]])

@@ -145,8 +145,11 @@ class ActorDaemon:
                 await prepare_engine(engine)
             if self.cubes:
                 self.scheduler = await self._make_scheduler()
-                # No ops endpoint, or a gateway host: the gateway listens on its own (loopback).
-                if not self.gateway.url or self._hosted:
+                if self._hosted:  # a port of its own, on the interface the ops endpoint's would be
+                    http = self.cfg.http
+                    await self._gateway_site.enter_async_context(
+                        self.gateway.serve(http.host if http.enabled else "127.0.0.1", 0))
+                elif not self.gateway.url:  # no ops endpoint: the gateway listens on its own (loopback)
                     await self._gateway_site.enter_async_context(self.gateway.serve("127.0.0.1", 0))
                 else:  # the ops endpoint serves the routes; sandboxed agents get the episode routes alone
                     await self._gateway_site.enter_async_context(self.gateway.serve_agents())

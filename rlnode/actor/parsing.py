@@ -35,6 +35,8 @@ import json
 import logging
 from typing import Any, NamedTuple
 
+import msgspec
+
 from rlnode.actor import vllm_compat
 from rlnode.config import ConfigError
 from rlnode.cubes.base import ToolCall
@@ -48,6 +50,7 @@ UNSUPPORTED = {
 }
 # Where vLLM's tool parsers keep the text that opens a call (Hermes and
 # Qwen "<tool_call>", Mistral "[TOOL_CALLS]", Llama "<|python_tag|>", ...).
+REQUEST_CACHE = 64  # distinct tool lists whose request objects are kept (CompletionParser._request)
 _MARKER_ATTRS = ("tool_call_start_token", "bot_token", "tool_calls_start_token", "bot_string", "tc_start")
 
 
@@ -97,6 +100,7 @@ class CompletionParser:
         # Turns that offer tools / turns that do not (reasoning only, if any).
         self._with_tools = vllm_compat.output_parser_class(tool_parser, reasoning_parser)
         self._without_tools = vllm_compat.output_parser_class("", reasoning_parser)
+        self._requests: dict[bytes, Any] = {}  # tool list (JSON) -> vLLM request object (_request)
         self._markers: tuple[str, ...] = ()
         self._stream_marker: str | None = None
         if self._with_tools is not None:
@@ -122,10 +126,7 @@ class CompletionParser:
         cls = self._with_tools if tools and self.tool_parser else self._without_tools
         if cls is None:
             return Parsed(text, None, [], None)
-        try:
-            request = vllm_compat.chat_request(tools if cls is self._with_tools else None)
-        except Exception:  # not OpenAI function tools: offer the names alone, so calls are still read
-            request = vllm_compat.chat_request(_names_only(tools))
+        request = self._request(tools if cls is self._with_tools else None)
         try:
             parser = cls(self._tokenizer, request.tools)
             reasoning, content, calls = vllm_compat.parse_output(parser, text, request, list(output_ids), prompt_ids)
@@ -139,6 +140,26 @@ class CompletionParser:
         if request.tools and (tried := [m for m in self._markers if m in content or (not calls and m in text)]):
             errors.append(f"invalid tool call: {tried[0]} markup that the {self.tool_parser} parser could not read")
         return Parsed(content, reasoning, out, "; ".join(errors) or None)
+
+    def _request(self, tools: list[dict[str, Any]] | None):
+        """vLLM's request object for ``tools`` (what parsers read), built once
+        per tool list: an agent offers the same tools on every call, and a
+        pydantic request per call was a tenth of a gateway call's CPU."""
+        try:
+            key = msgspec.json.encode(tools)
+        except (TypeError, msgspec.EncodeError):  # not JSON: not cached
+            key = None
+        request = self._requests.get(key) if key is not None else None
+        if request is None:
+            try:
+                request = vllm_compat.chat_request(tools)
+            except Exception:  # not OpenAI function tools: offer the names alone, so calls are still read
+                request = vllm_compat.chat_request(_names_only(tools))
+            if key is not None:
+                if len(self._requests) >= REQUEST_CACHE:
+                    self._requests.clear()
+                self._requests[key] = request
+        return request
 
     def _names(self) -> str:
         return " + ".join(n for n in (self.tool_parser, self.reasoning_parser) if n)

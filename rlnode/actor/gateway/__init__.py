@@ -65,13 +65,13 @@ process, above).
 from rlnode.actor.gateway.api import (
     MAX_REQUEST_BYTES, TOKENIZE_INLINE_CHARS, ChatRequest, GatewayError, template_message,
 )
-from rlnode.actor.gateway.hosted import GatewayHostLost, HostedGateway
+from rlnode.actor.gateway.hosted import GatewayHostLost, HostedGateway, make_gateway
 from rlnode.actor.gateway.server import Gateway
 from rlnode.actor.gateway.session import GatewaySession, GatewayStats, ServedCall
 from rlnode.actor.gateway.stream import _stream_safe  # noqa: F401 - tested directly
 
 __all__ = [
     "MAX_REQUEST_BYTES", "TOKENIZE_INLINE_CHARS", "ChatRequest", "Gateway", "GatewayError", "GatewayHostLost",
-    "HostedGateway",
+    "HostedGateway", "make_gateway",
     "GatewaySession", "GatewayStats", "ServedCall", "template_message",
 ]

@@ -39,7 +39,7 @@ from rlnode.actor.episode import EpisodeSettings, make_renderer
 from rlnode.actor.gateway.api import MAX_REQUEST_BYTES, GatewayError
 from rlnode.actor.gateway.protocol import (
     Abort, CallFailed, Channel, CloseSession, EnvCall, EnvReplied, Generate, Generated, HostFailed, HostReady,
-    HostStart, HostStats, OpenSession, SessionState, Settle, ToHost, Tokens,
+    HostStart, HostStats, OpenSession, PostReward, SessionState, Settle, ToHost, Tokens,
 )
 from rlnode.actor.gateway.server import Gateway
 from rlnode.actor.gateway.session import GatewaySession
@@ -122,6 +122,24 @@ class HostGateway(Gateway):
             return e.response()
         return web.Response(body=body, content_type="application/json")
 
+    async def _env_reward(self, request: web.Request) -> web.Response:
+        """Checked here (``Gateway._env_reward``); "ok" once the daemon holds
+        the reward, so an agent that returns after posting is scored by it."""
+        resp = await super()._env_reward(request)
+        s = self.sessions.get(request.match_info["token"])
+        if resp.status != 200 or s is None:
+            return resp
+        call_id, p = self._ask(s.token)
+        self.chan.send(PostReward(call_id, s.token, s.posted_reward, s.posted_success))
+        try:
+            await p.fut
+        except GatewayError as e:
+            self.stats.errors += 1
+            return e.response()
+        finally:
+            self._pending.pop(call_id, None)
+        return resp
+
     # -- the daemon's messages ------------------------------------------------------
 
     def on_messages(self, msgs: list) -> None:
@@ -167,6 +185,7 @@ class HostGateway(Gateway):
         s.tools_json = m.tools_json
         self.sessions[m.token] = s
         self.stats.sessions += 1
+        self.chan.send(self._state(s))  # the daemon hands out the URL once this arrives
 
     def _close(self, token: str) -> None:
         s = self.sessions.pop(token, None)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 import shutil
 import socket
@@ -36,9 +37,9 @@ from rlnode.actor.episode import EpisodeSettings, request_seed
 from rlnode.actor.gateway.api import GatewayError
 from rlnode.actor.gateway.protocol import (
     Abort, CallFailed, Channel, CloseSession, EnvCall, EnvReplied, Generate, Generated, HostFailed, HostReady,
-    HostStart, HostStats, OpenSession, SessionState, Settle, ToDaemon, Tokens, WireSettings,
+    HostStart, HostStats, OpenSession, PostReward, SessionState, Settle, ToDaemon, Tokens, WireSettings,
 )
-from rlnode.actor.gateway.server import env_step
+from rlnode.actor.gateway.server import Gateway, env_step
 from rlnode.actor.gateway.session import GatewaySession, GatewayStats, ServedCall
 from rlnode.actor.generation import LLMClient
 from rlnode.config import ModelConfig
@@ -54,6 +55,18 @@ SETTLE_TIMEOUT_S = 10.0  # a live host answers Settle / CloseSession within this
 STOP_TIMEOUT_S = 5.0  # SIGTERM, then SIGKILL
 RESTART_BACKOFF_S = (0.2, 30.0)  # first wait before a restart, cap (doubling while starts keep failing)
 _HOST_FIELDS = ("streamed", "errors", "unauthorized", "temperature_floored", "rewards_refused")
+
+
+def make_gateway(where: str, client: LLMClient, renderer, model: ModelConfig, settings: EpisodeSettings,
+                 model_name: str = "rlnode") -> "Gateway | HostedGateway":
+    """The gateway ``actor.gateway_host`` asks for: "inline" (on this loop,
+    with ``renderer``) or "process" (a host process, which builds the same
+    renderer from ``model``'s tokenizer, template and parsers)."""
+    if where == "process":
+        return HostedGateway(client, model, settings, model_name)
+    if where == "inline":
+        return Gateway(client, renderer, settings, model_name)
+    raise ValueError(f"actor.gateway_host must be inline or process, not {where!r}")
 
 
 class GatewayHostLost(CubeError):
@@ -169,7 +182,11 @@ class HostedGateway:
         try:
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "rlnode.actor.gateway.host", *map(str, fds), pass_fds=fds,
-                stdin=asyncio.subprocess.DEVNULL)
+                stdin=asyncio.subprocess.DEVNULL,
+                # Its own session: a terminal's Ctrl-C reaches the daemon, which
+                # stops the host itself (SIGTERM, or the channel's end) once
+                # its episodes are drained.
+                start_new_session=True)
         finally:
             theirs.close()
         loop = asyncio.get_running_loop()
@@ -276,19 +293,20 @@ class HostedGateway:
                 await asyncio.wait_for(self._up.wait(), START_TIMEOUT_S)
             except asyncio.TimeoutError:
                 raise GatewayHostLost("no gateway host is running (restarts keep failing)") from None
-        host = self._host
         s = HostedSession(self, episode_id, task, settings or self.settings, policy_version)
         st, sp = s.settings, s.settings.sampling
         tools = [t.as_chat_tool() for t in task.tools()] if task is not None else []
-        host.chan.send(OpenSession(
-            s.token, episode_id, s.api_key,
-            WireSettings(sp.max_tokens, sp.temperature, sp.top_p, st.max_turns, st.max_model_len,
-                         st.min_completion_tokens, st.min_temperature, st.seed, st.max_abs_reward),
-            s.reward_key, task is not None and getattr(task, "has_environment", True),
-            msgspec.json.encode({"tools": tools})))
         self.sessions[s.token] = s
         self.stats.sessions += 1
         try:
+            # Answered once the host serves the token: the agent gets its URL
+            # only then (its first request must not race the open).
+            await self._ask_state(s, OpenSession(
+                s.token, episode_id, s.api_key,
+                WireSettings(sp.max_tokens, sp.temperature, sp.top_p, st.max_turns, st.max_model_len,
+                             st.min_completion_tokens, st.min_temperature, st.seed, st.max_abs_reward),
+                s.reward_key, task is not None and getattr(task, "has_environment", True),
+                msgspec.json.encode({"tools": tools})))
             yield s
         finally:
             try:
@@ -333,6 +351,8 @@ class HostedGateway:
                         task.cancel()
                 case EnvCall():
                     self._env(host, m)
+                case PostReward():
+                    self._post_reward(host, m)
                 case SessionState(token=token):
                     self._apply_state(m)
                     waiters = self._waiting.get(token)
@@ -385,6 +405,9 @@ class HostedGateway:
             s.terminated = s.terminated or "max_turns"
             raise GatewayError(400, f"the episode used its {settings.max_turns} LLM calls (actor.episode.max_turns)",
                                code="max_turns_exceeded")
+        if not m.prompt:
+            raise GatewayError(500, "gateway host protocol: an empty prompt", code="gateway_error",
+                               type="server_error")
         room = settings.max_model_len - len(m.prompt)
         if room < settings.min_completion_tokens:
             s.terminated = s.terminated or "context_limit"
@@ -420,6 +443,11 @@ class HostedGateway:
         except EngineError as e:
             send(CallFailed(m.call_id, 503, f"engine failed: {e}", "engine_error", error_type="server_error"))
             return
+        except Exception as e:  # a prompt the engine refuses (ids outside the vocabulary): this call fails
+            log.warning("gateway.call_failed", episode=s.episode_id, step=m.step, error=repr(e)[:300])
+            send(CallFailed(m.call_id, 500, f"the call failed: {e!r}"[:1000], "gateway_error",
+                            error_type="server_error"))
+            return
         comp = gen.completion
         if s.closed:
             send(CallFailed(m.call_id, 404, "the episode ended during the call", "episode_not_found"))
@@ -434,6 +462,17 @@ class HostedGateway:
         self.stats.calls += 1
         self.stats.history_resets += m.history_reset
         send(Generated(m.call_id, comp.token_ids, comp.finish_reason))
+
+    def _post_reward(self, host: _Host, m: PostReward) -> None:
+        s = self.sessions.get(m.token)
+        if s is None or s.closed:
+            host.chan.send(CallFailed(m.call_id, 404, "unknown or finished episode", "episode_not_found"))
+        elif not s.reward_key or not (math.isfinite(m.reward) and abs(m.reward) <= s.settings.max_abs_reward):
+            # The host checks both before; agent_episode bounds it again.
+            host.chan.send(CallFailed(m.call_id, 400, "reward refused", param="reward"))
+        else:
+            s.posted_reward, s.posted_success = m.reward, m.success
+            host.chan.send(EnvReplied(m.call_id, b'{"ok":true}'))
 
     def _env(self, host: _Host, m: EnvCall) -> None:
         s = self.sessions.get(m.token)

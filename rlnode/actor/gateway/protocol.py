@@ -7,8 +7,8 @@ Daemon -> host: ``HostStart`` (once, first), ``OpenSession``,
 ``Tokens`` (a streamed call's new token ids), ``Generated``,
 ``CallFailed``, ``EnvReplied``.
 Host -> daemon: ``HostReady`` (once, or ``HostFailed``), ``Generate``,
-``Abort``, ``EnvCall``, ``SessionState`` (answering ``Settle`` and
-``CloseSession``), ``HostStats``.
+``Abort``, ``EnvCall``, ``PostReward``, ``SessionState`` (answering
+``OpenSession``, ``Settle`` and ``CloseSession``), ``HostStats``.
 
 Token-in / token-out. The host chooses a call's prompt ids (the chat
 template, the re-sent history matched and tokenized there); the daemon
@@ -68,6 +68,8 @@ class WireSettings(msgspec.Struct, array_like=True, omit_defaults=True):
 
 
 class OpenSession(_Msg):
+    """Answered by ``SessionState`` once the host serves the token."""
+
     token: str
     episode_id: str
     api_key: str
@@ -160,6 +162,17 @@ class EnvCall(_Msg):
     body: bytes  # POST env/step's JSON body
 
 
+class PostReward(_Msg):
+    """A reward the agent posted (key-checked and bounded by the host),
+    answered by ``EnvReplied`` once the daemon holds it, before the agent
+    hears "ok"."""
+
+    call_id: int
+    token: str
+    reward: float
+    success: bool | None = None
+
+
 class SessionState(_Msg):
     """What the host decided for an episode: the gateway's refusal that
     ended it, a posted reward (already key-checked and bounded)."""
@@ -182,7 +195,7 @@ class HostStats(_Msg):
 
 
 ToHost = Union[HostStart, OpenSession, CloseSession, Settle, Tokens, Generated, CallFailed, EnvReplied]
-ToDaemon = Union[HostReady, HostFailed, Generate, Abort, EnvCall, SessionState, HostStats]
+ToDaemon = Union[HostReady, HostFailed, Generate, Abort, EnvCall, SessionState, HostStats, PostReward]
 
 
 class Channel(asyncio.Protocol):
@@ -216,28 +229,30 @@ class Channel(asyncio.Protocol):
         self._transport = transport
 
     def data_received(self, data: bytes) -> None:
-        buf = self._buf
-        buf += data
-        frames = []
-        pos = 0
-        while len(buf) - pos >= 4:
-            (n,) = _LEN.unpack_from(buf, pos)
+        if self._buf:  # the rest of a frame that began in an earlier read
+            self._buf += data
+            data = bytes(self._buf)
+            self._buf.clear()
+        view, pos, end = memoryview(data), 0, len(data)
+        while end - pos >= 4:
+            (n,) = _LEN.unpack_from(data, pos)
             if n > MAX_FRAME_BYTES:
                 self._fail(f"frame of {n} bytes")
                 return
-            if len(buf) - pos - 4 < n:
+            if end - pos - 4 < n:
                 break
-            frames.append(bytes(buf[pos + 4:pos + 4 + n]))
-            pos += 4 + n
-        del buf[:pos]
-        for f in frames:
             try:
-                msgs = self._decoder.decode(f)
+                msgs = self._decoder.decode(view[pos + 4:pos + 4 + n])
             except msgspec.DecodeError as e:
                 self._fail(f"undecodable frame: {e}")
                 return
+            pos += 4 + n
             self.frames_in += 1
             self.on_messages(msgs)
+            if self._lost:
+                return
+        if pos < end:
+            self._buf += view[pos:]
 
     def connection_lost(self, exc) -> None:
         if not self._lost:
