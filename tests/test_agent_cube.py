@@ -310,37 +310,6 @@ def sandbox_uid_processes() -> list[str]:
     return found
 
 
-async def test_a_sandboxed_agent_reaches_the_gateway_and_nothing_else(gateway, tmp_path, monkeypatch):
-    """The default isolation (bwrap): the agent made its LLM call through the
-    gateway, then every escape a tool call could try was refused: the
-    daemon's /proc, a secret file and the run dir, the link port on
-    loopback, the internet, writing outside its /tmp, the daemon's secrets
-    in its environment."""
-    import socket
-
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    secret = run_dir / "curve.key_secret"
-    secret.write_text("secret")
-    monkeypatch.setenv("HF_TOKEN", "hf-secret")
-    link = socket.create_server(("127.0.0.1", 0))  # stands for the link's loopback port
-    try:
-        env = {"DAEMON_PID": str(os.getpid()), "SECRET_FILE": str(secret), "RUN_DIR": str(run_dir),
-               "LINK_PORT": str(link.getsockname()[1])}
-        cube = await started({"command": [sys.executable, str(FIXTURES), "escape"], "tasks": tasks_file(tmp_path),
-                              "env_vars": env})
-        with pytest.raises(CubeError, match="exited with 3") as e:
-            await play(gateway, cube)
-    finally:
-        link.close()
-    report = json.loads(str(e.value).split("REPORT ", 1)[1])
-    assert gateway.stats.calls == 1  # the gateway was reachable
-    assert report.pop("uid") != 0 and report.pop("secrets_in_env") == []
-    assert all(v.startswith("refused") for v in report.values()), report
-    assert not (run_dir / "planted").exists()
-    assert sandbox_uid_processes() == []
-
-
 async def test_a_timed_out_sandboxed_agent_leaves_nothing(gateway, tmp_path):
     cube = await started({"command": [sys.executable, str(FIXTURES), "hang"], "tasks": tasks_file(tmp_path),
                           "env_vars": {"PID_FILE": "/tmp/pids"}, "timeout_s": 8})

@@ -63,6 +63,12 @@ async def test_an_agent_reaches_the_gateway_and_nothing_else(kind, gateway, tmp_
     assert all(v.startswith("refused") for v in got.values()), got
     assert not (run_dir / "planted").exists()
     await cube.close()
+    # The sandbox's pid namespace ends with its bwrap; the kernel reaps the
+    # rest of it a moment later.
+    for _ in range(100):
+        if not sandbox_uid_processes():
+            break
+        await asyncio.sleep(0.05)
     assert sandbox_uid_processes() == []
 
 

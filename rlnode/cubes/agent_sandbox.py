@@ -83,22 +83,23 @@ class AgentLimits(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, froz
     tmp_mib: Annotated[int, Meta(ge=1)] = 256
 
 
-# Runs as the sandbox's first process:
-#   python -I -S -c BOOTSTRAP SOCKET PORT NPROC,AS,NOFILE,CPU FD,... ARGV...
-# One relay thread (a selector), so the relay's own threads never count
-# against the sandbox's process limit.
-BOOTSTRAP = r"""
-import resource, selectors, socket, subprocess, sys, threading
-sock_path, port, limits, fds, argv = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5:]
-srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-srv.bind(("127.0.0.1", port))
-srv.listen(128)
-for name, n in zip(("NPROC", "AS", "NOFILE", "CPU"), map(int, limits.split(","))):
-    resource.setrlimit(getattr(resource, "RLIMIT_" + name), (n, n + 1 if name == "CPU" else n))
+# The loopback relay inside a sandbox, shared by its first process (BOOTSTRAP
+# here, vf_runtime.BOX_INIT): listen(port, path) relays every connection to
+# 127.0.0.1:port to the unix socket at path. One selector thread, so the
+# relay's own threads never count against the sandbox's process limit.
+RELAY = r"""
+import selectors, socket, threading
 sel = selectors.DefaultSelector()
-sel.register(srv, selectors.EVENT_READ)
-peer = {}
+wake_r, wake_w = socket.socketpair()
+sel.register(wake_r, selectors.EVENT_READ)
+pending, peer = [], {}
+def listen(port, path):
+    srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind(("127.0.0.1", port))
+    srv.listen(128)
+    pending.append((srv, path))
+    wake_w.send(b"x")
 def done(s):
     other = peer[s]
     sel.unregister(s)
@@ -110,14 +111,14 @@ def done(s):
         for x in (s, other):
             peer.pop(x, None)
             x.close()
-def accept():
+def accept(srv, path):
     try:
         conn, _ = srv.accept()
     except OSError:
         return
     up = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        up.connect(sock_path)
+        up.connect(path)
     except OSError:
         conn.close()
         up.close()
@@ -130,8 +131,14 @@ def relay():
     while True:
         for key, _ in sel.select():
             s = key.fileobj
-            if s is srv:
-                accept()
+            if s is wake_r:
+                s.recv(64)
+                while pending:
+                    srv, path = pending.pop()
+                    sel.register(srv, selectors.EVENT_READ, path)
+                continue
+            if key.data:
+                accept(s, key.data)
                 continue
             try:
                 data = s.recv(65536)
@@ -142,6 +149,24 @@ def relay():
                 pass
             done(s)
 threading.Thread(target=relay, daemon=True).start()
+"""
+
+# The rlimits a sandbox's first process sets on itself (its children inherit
+# them): argument LIMITS is "NPROC,AS,NOFILE,CPU".
+SET_LIMITS = r"""
+import resource
+def set_limits(limits):
+    for name, n in zip(("NPROC", "AS", "NOFILE", "CPU"), map(int, limits.split(","))):
+        resource.setrlimit(getattr(resource, "RLIMIT_" + name), (n, n + 1 if name == "CPU" else n))
+"""
+
+# Runs as the sandbox's first process:
+#   python -I -S -c BOOTSTRAP SOCKET PORT NPROC,AS,NOFILE,CPU FD,... ARGV...
+BOOTSTRAP = SET_LIMITS + RELAY + r"""
+import subprocess, sys
+sock_path, port, limits, fds, argv = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5:]
+listen(port, sock_path)
+set_limits(limits)
 try:
     child = subprocess.Popen(argv, pass_fds=[int(fd) for fd in fds.split(",") if fd])
 except OSError as e:

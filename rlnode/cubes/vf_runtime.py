@@ -49,17 +49,16 @@ log = get_logger("rlnode.cubes.vf_runtime")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 # The box's first process: python -I -S -c BOX_INIT CTL_FD RELAY_DIR NPROC,AS,NOFILE,CPU
-BOX_INIT = r"""
-import json, os, resource, selectors, socket, subprocess, sys, threading, time
+BOX_INIT = agent_sandbox.SET_LIMITS + agent_sandbox.RELAY + r"""
+import json, os, subprocess, sys, time
 ctl = socket.socket(fileno=int(sys.argv[1]))
 relay_dir = sys.argv[2]
-for name, n in zip(("NPROC", "AS", "NOFILE", "CPU"), map(int, sys.argv[3].split(","))):
-    resource.setrlimit(getattr(resource, "RLIMIT_" + name), (n, n + 1 if name == "CPU" else n))
+set_limits(sys.argv[3])
 send_lock = threading.Lock()
 def send(obj):
     with send_lock:
         ctl.send(json.dumps(obj).encode())
-ids = {}
+ids, early, lock = {}, {}, threading.Lock()  # pid -> id; exits reaped before their pid was filed
 def reap():
     while True:
         try:
@@ -67,59 +66,14 @@ def reap():
         except ChildProcessError:
             time.sleep(0.05)
             continue
-        if pid in ids:
-            send({"exit": ids.pop(pid), "code": os.waitstatus_to_exitcode(status)})
+        code = os.waitstatus_to_exitcode(status)
+        with lock:
+            if pid not in ids:
+                early[pid] = code
+                continue
+            i = ids.pop(pid)
+        send({"exit": i, "code": code})
 threading.Thread(target=reap, daemon=True).start()
-sel = selectors.DefaultSelector()
-wake_r, wake_w = socket.socketpair()
-sel.register(wake_r, selectors.EVENT_READ)
-pending, peer = [], {}
-def done(s):
-    other = peer[s]
-    sel.unregister(s)
-    try:
-        other.shutdown(socket.SHUT_WR)
-    except OSError:
-        pass
-    if other not in sel.get_map():
-        for x in (s, other):
-            peer.pop(x, None)
-            x.close()
-def relay():
-    while True:
-        for key, _ in sel.select():
-            s = key.fileobj
-            if s is wake_r:
-                s.recv(64)
-                while pending:
-                    srv = pending.pop()
-                    sel.register(srv, selectors.EVENT_READ, srv.getsockname()[1])
-                continue
-            if key.data:
-                try:
-                    conn, _ = s.accept()
-                except OSError:
-                    continue
-                up = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                try:
-                    up.connect(os.path.join(relay_dir, "%d.sock" % key.data))
-                except OSError:
-                    conn.close()
-                    up.close()
-                    continue
-                peer[conn], peer[up] = up, conn
-                sel.register(conn, selectors.EVENT_READ)
-                sel.register(up, selectors.EVENT_READ)
-                continue
-            try:
-                data = s.recv(65536)
-                if data:
-                    peer[s].sendall(data)
-                    continue
-            except OSError:
-                pass
-            done(s)
-threading.Thread(target=relay, daemon=True).start()
 procs = {}
 while True:
     try:
@@ -139,8 +93,12 @@ while True:
             p = subprocess.Popen(req["argv"], stdin=fds[0], stdout=fds[1], stderr=fds[2], env=req["env"],
                                  cwd=req["cwd"], start_new_session=True)
             procs[req["id"]] = p
-            ids[p.pid] = req["id"]
             send({"started": req["id"]})
+            with lock:
+                if p.pid in early:
+                    send({"exit": req["id"], "code": early.pop(p.pid)})
+                else:
+                    ids[p.pid] = req["id"]
         except (OSError, ValueError) as e:
             send({"failed": req["id"], "error": "%s: %s" % (type(e).__name__, e)})
         finally:
@@ -154,12 +112,7 @@ while True:
             except OSError:
                 pass
     elif req["op"] == "listen":
-        srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        srv.bind(("127.0.0.1", req["port"]))
-        srv.listen(128)
-        pending.append(srv)
-        wake_w.send(b"x")
+        listen(req["port"], os.path.join(relay_dir, "%d.sock" % req["port"]))
         send({"listening": req["port"]})
 """
 
