@@ -426,7 +426,9 @@ class ActorDaemon:
             "groups_failed": self.scheduler.groups_failed if self.scheduler else 0,
             "groups_lost": self.sink.lost if self.sink else 0,
             "gateway": {"url": self.gateway.url, "open_episodes": len(self.gateway.sessions),
-                        **msgspec.to_builtins(self.gateway.stats)},
+                        **msgspec.to_builtins(self.gateway.stats),
+                        **({"host_pid": self.gateway.host_pid, "host_starts": self.gateway.host_starts}
+                           if self._hosted else {})},
         }
         if self.link is not None:
             out["link"] = {"trainer": self.peers[0], "connected": self.link.connected,
@@ -472,6 +474,10 @@ class ActorDaemon:
                 ("rlnode_gateway_unauthorized", "counter", "unknown episode or wrong key", {}, g.unauthorized),
                 ("rlnode_gateway_temperature_floored", "counter",
                  "calls that asked below actor.sampling.min_temperature (sampled at it)", {}, g.temperature_floored)]
+        if self._hosted:
+            out.append(("rlnode_gateway_host_starts", "counter",
+                        "gateway host processes started (more than 1: a host died and was replaced)", {},
+                        self.gateway.host_starts))
         if self.link is not None:
             c = self.link.counters()
             lab = {"trainer": self.peers[0]}
