@@ -238,8 +238,8 @@ class HostedGateway:
                 await asyncio.sleep(backoff)
                 try:
                     await self._start_host()
-                except GatewayHostLost as e:
-                    log.error("gateway.host_start_failed", error=str(e), retry_in_s=backoff)
+                except Exception as e:  # GatewayHostLost, or the process could not be started (OSError)
+                    log.error("gateway.host_start_failed", error=str(e) or repr(e), retry_in_s=backoff)
                     backoff = min(backoff * 2, RESTART_BACKOFF_S[1])
                     continue
                 backoff = RESTART_BACKOFF_S[0]
