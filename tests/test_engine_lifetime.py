@@ -140,6 +140,29 @@ def test_guard_ends_its_process_with_the_owner():
         child.stdout.close()
 
 
+def test_guard_ends_its_process_when_nobody_reads_its_stderr():
+    """The daemon that read an engine's stderr is gone (killed, or its
+    pipe's reader closed): the guard's notice on stderr fails with EPIPE.
+    Seen: the guard thread died on that BrokenPipeError before stopping its
+    process, and the engine core and its worker outlived their daemon by an
+    hour. The notice is best effort; the stop is not."""
+    owner = subprocess.Popen(["sleep", "120"])
+    env = {**os.environ, engine_guard.OWNER_ENV: engine_guard.owner_token(owner.pid)}
+    child = subprocess.Popen([sys.executable, "-c", GUARDED], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == "installed\n"
+        child.stderr.close()  # no reader left: a write to the child's stderr gets EPIPE
+        owner.kill()
+        owner.wait()
+        assert child.wait(10) == -signal.SIGTERM
+    finally:
+        for p in (owner, child):
+            p.kill()
+            p.wait()
+        child.stdout.close()
+
+
 def test_guard_sees_a_reused_pid_as_gone():
     # A live pid with another start time: the owner died and its pid was reused.
     child = guarded_child(f"{os.getpid()}:1")

@@ -229,8 +229,11 @@ def _stop_self(owner_pid: int) -> None:
             name = f.read().strip()
     except OSError:
         name = ""
-    os.write(2, (f'{{"event": "engine_guard.stopping", "reason": "daemon or parent process gone", '
-                 f'"owner": {owner_pid}, "pid": {me}, "process": "{name}"}}\n').encode())
+    try:  # best effort: whoever read our stderr may be gone with the daemon (EPIPE)
+        os.write(2, (f'{{"event": "engine_guard.stopping", "reason": "daemon or parent process gone", '
+                     f'"owner": {owner_pid}, "pid": {me}, "process": "{name}"}}\n').encode())
+    except OSError:
+        pass
     os.kill(me, signal.SIGTERM)
     time.sleep(GRACE_S)
     # Still here: vLLM's shutdown hung (a stuck collective, a child that
