@@ -156,3 +156,20 @@ async def test_the_agents_socket_serves_the_episode_routes_alone(gateway):
                 assert r.status == 200
     assert Path(gateway.agent_socket).stat().st_mode & 0o777 == 0o666
     assert Path(gateway.agent_socket).parent.stat().st_mode & 0o777 == 0o711
+
+
+async def test_a_worker_near_its_cpu_limit_retires_without_failing_an_episode(gateway, tmp_path):
+    """limits.cpu_s is an rlimit per process, and a function agent's worker
+    lives across episodes: at 80% of it the worker takes no new episode,
+    ends once its last one has (that episode scores), and is replaced; it
+    is not counted as lost."""
+    cube = await started({"agent": f"{FIXTURES}:burn", "tasks": tasks_file(tmp_path), "limits": {"cpu_s": 10}})
+    (worker,) = cube.workers.workers
+    _, result = await play(gateway, cube)
+    assert result.reward == 0.5
+    for _ in range(200):
+        if not worker.alive():
+            break
+        await asyncio.sleep(0.05)
+    assert not worker.alive() and worker not in cube.workers.workers
+    assert (cube.workers.retired, cube.workers.restarts) == (1, 0)
