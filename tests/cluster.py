@@ -38,7 +38,7 @@ import sys
 import threading
 from pathlib import Path
 
-from daemons import ROOT, wait_for_status
+from daemons import ROOT, sweep_after_kill, wait_for_status
 
 CLONE_NEWNET = 0x40000000
 SUBNET = "10.213.0"  # exists only inside the cluster's namespaces
@@ -133,6 +133,7 @@ class Node:
             except ProcessLookupError:
                 pass
             self.proc.wait()
+            sweep_after_kill()
 
     def terminate(self, timeout: float = 60) -> int | None:
         if self.proc is None:

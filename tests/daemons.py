@@ -63,6 +63,19 @@ class Daemon:
         except ProcessLookupError:
             pass
         self.proc.wait()
+        sweep_after_kill()
+
+
+def sweep_after_kill() -> None:
+    """What a daemon killed with -9 leaves in the session's temporary
+    directory and its successor would sweep at its start: the gateway's
+    agents-socket directory (its engine scratch has its own sweep)."""
+    import tempfile
+
+    from rlnode.actor.engine import sweep_dead_dirs
+    from rlnode.actor.gateway.server import AGENTS_DIR_PREFIX
+
+    sweep_dead_dirs(tempfile.gettempdir(), AGENTS_DIR_PREFIX)
 
 
 def wait_for_status(daemon, pred, timeout: float, what: str):

@@ -135,8 +135,10 @@ async def test_no_secret_is_on_any_argv_while_an_agent_runs(gateway, tmp_path):
                 argv = (proc / "cmdline").read_bytes().decode(errors="replace")
             except OSError:
                 continue
+            # The episodes' own secret values (other tests' programs may well
+            # name the variables in their source), and bwrap's --setenv.
             seen += [argv[:200] for t in tokens if t in argv]
-            seen += [argv[:200] for marker in ("--setenv", "OPENAI_API_KEY") if marker in argv]
+            seen += [argv[:200] for marker in ("--setenv",) if marker in argv]
     with pytest.raises(CubeError, match="no reward"):  # it only slept
         await episode
     assert fn.workers.workers and not seen, seen

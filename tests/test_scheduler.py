@@ -219,3 +219,17 @@ async def test_each_node_and_each_restart_draws_its_own_tasks():
     a = await draws("a", "1f2e3d4c")
     assert a == await draws("a", "1f2e3d4c") and a != await draws("b", "1f2e3d4c")
     assert a != await draws("a", "9a8b7c6d")
+
+
+def test_a_restart_in_the_same_run_dir_counts_and_a_fresh_run_does_not(tmp_path):
+    """What the actor gives the scheduler to mix into its draws: nothing on
+    a run dir's first start (one seed replays its run), a start number on
+    every restart (no replayed tasks), the random incarnation where the run
+    dir cannot be written."""
+    from rlnode.actor.daemon import count_start
+
+    assert [count_start(str(tmp_path / "a"), "n1", "f00d") for _ in range(3)] == ["", "start1", "start2"]
+    assert count_start(str(tmp_path / "b"), "n1", "f00d") == ""  # another run: a first start again
+    assert count_start(str(tmp_path / "a"), "n2", "f00d") == ""  # another node: its own count
+    (tmp_path / "file").write_text("")
+    assert count_start(str(tmp_path / "file"), "n1", "f00d") == "f00d"

@@ -17,6 +17,7 @@ import contextlib
 import os
 import secrets
 import time
+from pathlib import Path
 
 import msgspec
 
@@ -81,6 +82,27 @@ class TrainerGroupSink:
             self.link.credits.give_back(group.credit_session)
         # The link logged why (link.actor.group_too_large / duplicate_submit).
         log.error("actor.group_lost", group=group.group_id, lost=self.lost, credit_returned=bool(group.credit_session))
+
+
+def count_start(run_dir: str, node_id: str, incarnation: str) -> str:
+    """Which start of this node in this run dir this is, for the scheduler's
+    task draws: "" for the first (a fresh run with the same seed replays the
+    same draws), "start{n}" after (a restarted, maybe crash-looping, actor
+    must not replay its first tasks with the same seeds). The count lives in
+    RUN_DIR/actor-starts/NODE_ID, written atomically. A run dir that cannot
+    be written gets the incarnation (random): never a replay, at the cost of
+    a reproducible first start."""
+    path = Path(run_dir) / "actor-starts" / node_id.replace("/", "_")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        before = int(path.read_text()) if path.exists() else 0
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(str(before + 1))
+        os.replace(tmp, path)
+    except (OSError, ValueError) as e:
+        log.warning("actor.start_count_unavailable", path=str(path), error=str(e))
+        return incarnation
+    return f"start{before}" if before else ""
 
 
 class ActorDaemon:
@@ -177,13 +199,14 @@ class ActorDaemon:
 
     async def _make_scheduler(self) -> RolloutScheduler:
         cfg = self.cfg
+        start = await asyncio.to_thread(count_start, cfg.run.run_dir, self.node_id, self.incarnation)
         sched = RolloutScheduler(
             self.cubes, {c.id: c.weight for c in cfg.actor.cubes}, [c.id for c in cfg.actor.cubes if c.eval],
             self.client, self.renderer,
             msgspec.structs.replace(cfg.actor.scheduler, max_lag=effective_max_lag(cfg)),
             episode_settings(cfg), self.versions,
             seed=cfg.run.seed, on_eval=self._on_eval, id_prefix=f"{self.node_id}-{self.incarnation}-",
-            gateway=self.gateway, node_id=self.node_id, incarnation=self.incarnation,
+            gateway=self.gateway, node_id=self.node_id, incarnation=start,
         )
         await sched.prepare()
         return sched

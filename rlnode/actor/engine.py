@@ -238,6 +238,15 @@ def make_engine_scratch(engine_id: int) -> str:
 def sweep_engine_scratch(parent: str) -> list[str]:
     """Remove the scratch directories under ``parent`` whose daemon is no
     longer running (its pid is gone). Returns what was removed."""
+    removed = sweep_dead_dirs(parent, SCRATCH_PREFIX)
+    if removed:
+        log.info("engine.scratch_swept", removed=removed)
+    return removed
+
+
+def sweep_dead_dirs(parent: str, prefix: str) -> list[str]:
+    """Remove the directories ``prefix<pid>-...`` under ``parent`` whose
+    process is gone (a daemon killed with -9 never removes its own)."""
     import shutil
 
     removed = []
@@ -246,15 +255,13 @@ def sweep_engine_scratch(parent: str) -> list[str]:
     except OSError:
         return removed
     for name in names:
-        if not name.startswith(SCRATCH_PREFIX):
+        if not name.startswith(prefix):
             continue
-        pid = name[len(SCRATCH_PREFIX):].split("-", 1)[0]
+        pid = name[len(prefix):].split("-", 1)[0]
         if not pid.isdigit() or int(pid) == os.getpid() or _pid_alive(int(pid)):
             continue
         shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
         removed.append(name)
-    if removed:
-        log.info("engine.scratch_swept", removed=removed)
     return removed
 
 

@@ -27,7 +27,6 @@ import os
 import shutil
 import socket
 import sys
-import tempfile
 from typing import AsyncIterator, Awaitable, Callable, TypeVar
 
 import msgspec
@@ -39,7 +38,7 @@ from rlnode.actor.gateway.protocol import (
     Abort, CallFailed, Channel, CloseSession, EnvCall, EnvReplied, Generate, Generated, HostFailed, HostReady,
     HostStart, HostStats, OpenSession, PostReward, SessionState, Settle, ToDaemon, Tokens, WireSettings,
 )
-from rlnode.actor.gateway.server import Gateway, env_step
+from rlnode.actor.gateway.server import Gateway, env_step, make_agents_dir
 from rlnode.actor.gateway.session import GatewaySession, GatewayStats, ServedCall
 from rlnode.actor.generation import LLMClient
 from rlnode.config import ModelConfig
@@ -146,12 +145,11 @@ class HostedGateway:
     async def serve(self, host: str = "127.0.0.1", port: int = 0) -> AsyncIterator["HostedGateway"]:
         """Bind the gateway's sockets, start the host (raising if it cannot
         start), keep one running until exit; then stop it and unbind."""
-        home = await asyncio.to_thread(tempfile.mkdtemp, prefix="rlnode-gateway-")
+        home = await asyncio.to_thread(make_agents_dir)
         tcp = unix = None
         supervisor = None
         try:
             tcp = socket.create_server((host, port), backlog=1024)
-            os.chmod(home, 0o711)  # a sandbox's uid may reach the socket bound into it; nobody lists the dir
             path = os.path.join(home, "agents.sock")
             unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             unix.bind(path)
@@ -165,15 +163,19 @@ class HostedGateway:
             yield self
         finally:
             self.url = self.agent_socket = ""
-            if supervisor is not None:
-                supervisor.cancel()
-                await asyncio.gather(supervisor, return_exceptions=True)
-            await self._stop_host()
-            for sock in (tcp, unix):
-                if sock is not None:
-                    sock.close()
-            self._sockets = None
-            await asyncio.to_thread(shutil.rmtree, home, True)
+            try:
+                if supervisor is not None:
+                    supervisor.cancel()
+                    await asyncio.gather(supervisor, return_exceptions=True)
+                await self._stop_host()
+            finally:
+                for sock in (tcp, unix):
+                    if sock is not None:
+                        sock.close()
+                self._sockets = None
+                # Inline, not in a thread: one socket file (instant), and it
+                # must go even when this exit is itself cancelled.
+                shutil.rmtree(home, ignore_errors=True)
 
     async def _start_host(self) -> None:
         tcp, unix = self._sockets

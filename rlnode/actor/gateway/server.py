@@ -17,7 +17,7 @@ from typing import Any, AsyncIterator, Callable
 import msgspec
 from aiohttp import web
 
-from rlnode.actor.engine import EngineError, SamplingSettings
+from rlnode.actor.engine import EngineError, SamplingSettings, sweep_dead_dirs
 from rlnode.actor.episode import ChatRenderer, EpisodeSettings, request_seed
 from rlnode.actor.gateway.api import (
     MAX_REQUEST_BYTES, TOKENIZE_INLINE_CHARS, ChatRequest, EnvReward, EnvStep, GatewayError, dumps, openai_message,
@@ -32,6 +32,19 @@ from rlnode.ops.netaddr import local_url_host
 
 log = get_logger("rlnode.gateway")
 
+
+
+AGENTS_DIR_PREFIX = "rlnode-gateway-"
+
+
+def make_agents_dir() -> str:
+    """A private directory (0711: a sandbox's uid may reach the socket bound
+    into it, nobody may list it) for the agents' socket, named after this
+    process; those of processes now gone are swept first."""
+    sweep_dead_dirs(tempfile.gettempdir(), AGENTS_DIR_PREFIX)
+    home = tempfile.mkdtemp(prefix=f"{AGENTS_DIR_PREFIX}{os.getpid()}-")
+    os.chmod(home, 0o711)
+    return home
 
 
 class Gateway:
@@ -84,9 +97,8 @@ class Gateway:
         self.add_routes(app)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
-        home = await asyncio.to_thread(tempfile.mkdtemp, prefix="rlnode-gateway-")
+        home = await asyncio.to_thread(make_agents_dir)
         try:
-            os.chmod(home, 0o711)
             path = os.path.join(home, "agents.sock")
             await web.UnixSite(runner, path).start()
             os.chmod(path, 0o666)
@@ -94,8 +106,12 @@ class Gateway:
             yield path
         finally:
             self.agent_socket = ""
-            await runner.cleanup()
-            await asyncio.to_thread(shutil.rmtree, home, True)
+            try:
+                await runner.cleanup()
+            finally:
+                # Inline, not in a thread: one socket file (instant), and it
+                # must go even when this exit is itself cancelled.
+                shutil.rmtree(home, ignore_errors=True)
 
     @contextlib.asynccontextmanager
     async def session(self, episode_id: str, task: CubeTask | None = None, settings: EpisodeSettings | None = None,
