@@ -240,13 +240,18 @@ AGENT_ENV_ALLOW = ("PATH", "HOME", "LANG", "LANGUAGE", "TZ", "TMPDIR", "TERM", "
                    "PYTHONHASHSEED", "SSL_CERT_FILE", "SSL_CERT_DIR")
 
 
+def inherited_env(extra: list[str] | tuple[str, ...] = (), environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The daemon's variables any sandboxed process may inherit: the
+    allowlist, locale (LC_*) and the names in ``extra``."""
+    environ = os.environ if environ is None else environ
+    allowed = set(AGENT_ENV_ALLOW) | set(extra)
+    return {k: v for k, v in environ.items() if k in allowed or k.startswith("LC_")}
+
+
 def allowed_env(opts: OpenAIAgentOptions, environ: dict[str, str] | None = None) -> dict[str, str]:
     """What any agent (a command, a function's worker) gets of the daemon's
     environment: the allowlist, ``pass_env`` and ``env_vars``."""
-    environ = os.environ if environ is None else environ
-    allowed = set(AGENT_ENV_ALLOW) | set(opts.pass_env)
-    inherited = {k: v for k, v in environ.items() if k in allowed or k.startswith("LC_")}
-    return {**inherited, **opts.env_vars}
+    return {**inherited_env(opts.pass_env, environ), **opts.env_vars}
 
 
 def agent_env(opts: OpenAIAgentOptions, endpoint: AgentEndpoint, environ: dict[str, str] | None = None) -> dict[str, str]:

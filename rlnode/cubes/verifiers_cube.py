@@ -390,10 +390,9 @@ class VerifiersCube(Cube):
             raise ConfigError(f"cube {self.cube_id!r}: {e}") from e
         await agent_sandbox.check(o.isolation, self.cube_id)
         if o.isolation == "bwrap":
-            from rlnode.cubes.openai_agent import AGENT_ENV_ALLOW
+            from rlnode.cubes.openai_agent import inherited_env
 
-            inherited = {k: v for k, v in os.environ.items() if k in AGENT_ENV_ALLOW or k.startswith("LC_")}
-            vf_runtime.install(o.limits, inherited)
+            vf_runtime.install(o.limits, inherited_env())
         if not self.tasks["train"]:
             raise CubeError(f"verifiers env {o.env!r} yielded no train tasks")
 
