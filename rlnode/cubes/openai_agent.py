@@ -66,7 +66,8 @@ class EnvSpec(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class OpenAIAgentOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    # "module:function" awaited in the daemon: fn(task: dict, base_url: str, api_key: str) -> float | None.
+    # "module:function" run in `workers` worker processes (agent_workers.py):
+    # fn(task: dict, base_url: str, api_key: str) -> float | None.
     agent: str = ""
     # Or a command run per episode (argv list; no shell).
     command: list[str] = []
@@ -97,8 +98,9 @@ class OpenAIAgentOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=Tru
     # How the agent is isolated, a command's process or a function's
     # workers alike: "bwrap" (its own pid and network namespaces, an
     # unprivileged uid, a read-only view of the system, the Python
-    # installation and its own files, `limits`; the gateway's episode
-    # routes are the only thing it can reach: rlnode/cubes/agent_sandbox.py)
+    # installation and its own files, `limits`; its ways out are the
+    # gateway's episode routes, through a relay, and a function agent's
+    # worker channel to the daemon: rlnode/cubes/agent_sandbox.py)
     # or "none" (as the daemon's user, with its files, keys and network;
     # logged as an error).
     isolation: Literal["bwrap", "none"] = "bwrap"
