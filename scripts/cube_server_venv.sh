@@ -30,7 +30,7 @@ is_py312() { "$1" -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/n
 
 find_python() {
     # The bare pyenv `python3.12` shim refuses without PYENV_VERSION, so real
-    # interpreters under ~/.pyenv come first (DESIGN §8).
+    # interpreters under ~/.pyenv come first (docs/design/vllm-cpu.md).
     local c
     for c in "${CUBE_PYTHON:-}" "$HOME"/.pyenv/versions/3.12*/bin/python3.12 \
              "$HOME"/.pyenv/versions/3.13*/bin/python3.13 python3.12 python3.13; do

@@ -4,7 +4,7 @@
 # Works from this checkout with whatever Python has torch + vLLM:
 #   * .venv/bin/python when `make EXTRA=gpu setup` made one;
 #   * else python3 with vLLM on PYTHONPATH, e.g. the lent GPU machine's
-#     bundle (shared/gpu/make_vllm_bundle.sh: torch 2.11 + CUDA 13 in the
+#     bundle (docs/design/gpu-h100.md: torch 2.11 + CUDA 13 in the
 #     image, vLLM 0.26.0 unpacked under /tmp/site, no network).
 # rlnode is then not an installed distribution, so vLLM would not find the
 # engine guard plugin (an entry point; rlnode refuses to start engines

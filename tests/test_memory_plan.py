@@ -1,5 +1,5 @@
 """The trainer memory plan (rlnode/trainer/memory_plan.py): its arithmetic
-against the peaks measured on the lent H100 (DESIGN §10), against what
+against the peaks measured on the lent H100 (docs/design/gpu-h100.md), against what
 autograd really saves and the tiny models' real parameter counts; its
 verdicts for a 4B model on one 80 GB GPU; the learner refusing to start on
 a device too small. CPU only: the device's memory query is faked.
@@ -105,7 +105,7 @@ def test_per_layer_activations_match_what_autograd_saves(arch):
 
 
 def test_plan_matches_the_h100_measurements():
-    # DESIGN §10: bf16 weights and AdamW state, torch's default AdamW on
+    # docs/design/gpu-h100.md: bf16 weights and AdamW state, torch's default AdamW on
     # cuda (foreach), sdpa, no checkpointing, the whole micro-batch's
     # completion tokens through the head at once (the learner of that day).
     # Assumed: 2k tokens/sample = 512 prompt + 1536 completion (rlnode bench
@@ -117,7 +117,7 @@ def test_plan_matches_the_h100_measurements():
         plan = plan_for_config(cfg, H100_FREE, tokens=2048 * samples, shape=ModelShape.from_config(shape))
         assert abs(plan.peak / GiB - measured) <= 0.10 * measured, (shape["hidden_size"], plan.peak / GiB)
         assert plan.verdict == "fits" and plan.peak_phase == "backward"
-    # Twice the 1.7B micro-batch does not fit (DESIGN: 4 samples is the most).
+    # Twice the 1.7B micro-batch does not fit (docs/design/gpu-h100.md: 4 samples is the most).
     plan = plan_for_config(config('trainer.precision="bf16"', "trainer.logprob_chunk_tokens=12288"), H100_FREE,
                            tokens=8 * 2048, shape=ModelShape.from_config(QWEN3_1_7B))
     assert plan.verdict == "does_not_fit"

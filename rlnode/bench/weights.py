@@ -86,7 +86,7 @@ class WeightsBenchResult(msgspec.Struct):
     precision: str = ""  # trainer.precision
     engine_device: str = ""
     # Engine vs transformers on the weights both loaded from disk: the floor
-    # the update must not raise (on CUDA, kernel differences; DESIGN §10).
+    # the update must not raise (on CUDA, kernel differences; docs/design/gpu-h100.md).
     max_abs_logprob_diff_before_update: float = -1.0
     # Resident memory (MiB) of the trainer (this process) and of the
     # engine's processes (core + workers), after the first update (buffers
@@ -308,7 +308,7 @@ async def bench_weights(cfg: Config, model_path: str, *, rounds: int = 5, in_fli
     model_cfg = msgspec.structs.replace(cfg.model, path=model_path)
     device = resolve_trainer_device(t.device)
     # Loaded on the CPU, moved once the engine runs: its processes start
-    # before this one initialises CUDA (DESIGN §10).
+    # before this one initialises CUDA (docs/design/gpu-h100.md).
     hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=PARAM_DTYPE[t.precision]).eval()
     params = sum(p.numel() for _, p in update_tensors(hf))
     log(f"model {model_path}: {params / 1e6:.1f}M parameters; starting the engine")

@@ -8,7 +8,7 @@ first integer in the reply is the guess.
 
 ``feedback = "range"`` states the remaining interval ("Higher. It is between
 6 and 8."), which makes the state Markov: a small model only has to read the
-last message (DESIGN §8: with direction-only feedback a tiny model reacted to
+last message (docs/design/vllm-cpu.md: with direction-only feedback a tiny model reacted to
 the last hint only and plateaued).
 """
 

@@ -1,7 +1,7 @@
 """CUDA IPC for weight updates on one machine: the trainer lends each packed
 bucket to the engine workers as a CUDA IPC handle instead of broadcasting
 its bytes, so a trainer and an engine may share one GPU (NCCL refuses two
-ranks on one device; DESIGN §10).
+ranks on one device; docs/design/gpu-h100.md).
 
 Owns:
   * ``host_identity()`` and ``visible_gpus()``: what an actor reports so
@@ -154,7 +154,7 @@ def nvml_gpu_uuids() -> tuple[str, ...]:
     driver's management library, as torch counts GPUs without CUDA): no
     CUDA context is created, so the actor daemon can ask before it starts
     its engines (a vLLM engine core forked from a process that initialised
-    CUDA fails, DESIGN §10). Raises OSError without an NVIDIA driver,
+    CUDA fails, docs/design/gpu-h100.md). Raises OSError without an NVIDIA driver,
     RuntimeError when NVML fails."""
     import ctypes
 
