@@ -417,8 +417,20 @@ class WeightSyncConfig(_Section):
     timeout_s: PositiveFloat = 120.0
     # Failed pushes in a row (each retried after a backoff of 1 s, doubling
     # up to 60 s) after which the trainer's /healthz answers 503 and systemd's
-    # watchdog restarts it; a successful push resets the count. >= 1.
+    # watchdog restarts it; a successful push resets the count. >= 1. Only
+    # the trainer's own failures count: failures that named actors while
+    # another member of the same conversation did its part bench those
+    # actors (bench_after) instead.
     max_failures: PositiveInt = 5
+    # Failed weight conversations in a row (a join or an update it did not
+    # confirm, a rank it did not bring to the rendezvous) after which an
+    # actor is left out of the weight group (benched): the others go on in
+    # a new epoch without it, and the trainer's wait for its engines counts
+    # only the members. Only when another member of that conversation did
+    # its part (else nothing shows the trainer's own side works). A benched
+    # actor is probed (weights.protocol.Probe: every engine answers through
+    # its engine core) with backoff, and rejoins when it answers. >= 1.
+    bench_after: PositiveInt = 2
 
 
 class LinkConfig(_Section):

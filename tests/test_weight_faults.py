@@ -10,6 +10,7 @@ test_weights and test_push_safety."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import queue
 import signal
@@ -189,3 +190,202 @@ def test_a_receive_whose_trainer_freezes_fails_within_its_timeout():
         if comm is not None:
             comm.close()
         _end(proc)
+
+
+# --------------------------------------------------------------------------
+# A member that fails leaves (issue 36): the trainer's WeightPusher over a
+# real TrainerLink, two actors on real ActorLinks whose one engine rank each
+# is real gloo in a thread (the vLLM side is covered in test_cluster's
+# frozen-engine scenario).
+
+
+class GlooActor:
+    """An actor daemon's weight side without vLLM: it answers JoinEpoch,
+    LoadWeights and Probe like ``ActorDaemon._handle``, its one engine rank
+    on the real gloo transport in a thread. ``frozen``: the daemon
+    heartbeats but nothing is answered (its engine core under SIGSTOP)."""
+
+    def __init__(self, endpoint: str, node_id: str, link_cfg):
+        from rlnode.link.actor_link import ActorLink
+
+        self.node_id = node_id
+        self.link = ActorLink(endpoint, node_id, [(0, 1)], link_cfg)
+        self.frozen = False
+        self.version = -1
+        self.received: dict[str, torch.Tensor] = {}
+        self.probes = 0
+        self._comm: WeightComm | None = None
+        self._engine_lock = threading.Lock()  # one join or update at a time, as an engine's update lock
+        self._tasks: set[asyncio.Task] = set()
+        self._serving: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        await self.link.start()
+        self._serving = asyncio.create_task(self._serve())
+
+    async def close(self) -> None:
+        for t in [self._serving, *self._tasks]:
+            if t is not None:
+                t.cancel()
+        await asyncio.gather(*(t for t in [self._serving, *self._tasks] if t is not None), return_exceptions=True)
+        await self.link.close()
+        await asyncio.to_thread(self._leave)
+
+    async def _serve(self) -> None:
+        from rlnode.wire import ControlRequest
+
+        while True:
+            item = await self.link.next_control()
+            if isinstance(item, ControlRequest) and not self.frozen:
+                task = asyncio.create_task(self._answer(item))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+
+    async def _answer(self, req) -> None:
+        from rlnode.weights.protocol import EpochJoined, JoinEpoch, LoadWeights, ProbeAnswered, WeightsLoaded
+        from rlnode.wire import ControlReply
+
+        try:
+            match req.command:
+                case JoinEpoch(spec=spec):
+                    rank = spec.member(f"{self.node_id}/0").first_rank
+                    await asyncio.to_thread(self._join, spec, rank)
+                    result = EpochJoined(spec.epoch)
+                case LoadWeights(plan=plan):
+                    await asyncio.to_thread(self._receive, plan)
+                    result = WeightsLoaded(plan.version, 0.0)
+                case _:  # Probe
+                    self.probes += 1
+                    result = ProbeAnswered(1)
+            reply = ControlReply(req.request_id, True, result=result)
+        except Exception as e:  # noqa: BLE001 - reported to the trainer, as the daemon does
+            reply = ControlReply(req.request_id, False, error=repr(e)[:500])
+        if not self.frozen:  # frozen meanwhile: the answer never leaves
+            self.link.reply(reply)
+
+    def _leave(self) -> None:
+        if self._comm is not None:
+            comm, self._comm = self._comm, None
+            comm.close()
+
+    def _join(self, spec: GroupSpec, rank: int) -> None:
+        with self._engine_lock:
+            self._leave()
+            self._comm = WeightComm(spec, rank, "cpu")
+
+    def _receive(self, plan) -> None:
+        with self._engine_lock:
+            self._receive_locked(plan)
+
+    def _receive_locked(self, plan) -> None:
+        from rlnode.weights.plan import unpack_bucket
+
+        assert not agree_on_plan(self._comm, plan.digest(), reject=False)
+        received = {}
+        for bucket in plan.buckets:
+            buf = torch.empty(bucket.nbytes, dtype=torch.uint8)
+            self._comm.broadcast(buf)
+            received.update((n, t.clone()) for n, t in unpack_bucket(bucket, buf))
+        self.received, self.version = received, plan.version
+
+
+class _Stepped:
+    skipped = False  # what WeightGuard.step reads: the weights moved
+
+
+async def _eventually(cond, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.05)
+
+
+async def test_a_member_that_keeps_failing_is_benched_and_rejoins_when_it_answers(monkeypatch):
+    """Two actors; one freezes (its daemon heartbeats, nothing answers).
+    After trainer.weights.bench_after failures named on it (its rank does
+    not join), it is benched: the next push forms an epoch with the healthy
+    actor alone and lands, the trainer's wait for its engines no longer
+    counts the frozen one, and the failures are not the trainer's own
+    (health stays green). While frozen its probes go unanswered; thawed, a
+    probe is answered and it rejoins and catches up. Before: every push
+    failed ("rank(s) [..] did not join"), the healthy actor got no weights
+    either, and health turned red after max_failures."""
+    from rlnode.config import LinkConfig
+    from rlnode.link.trainer_link import TrainerLink
+    from rlnode.weights import push
+    from rlnode.weights.broadcast import WeightGuard
+    from rlnode.weights.push import WeightPusher
+
+    from daemons import free_port
+
+    monkeypatch.setattr(push, "PROBE_MIN_S", 0.2)
+    monkeypatch.setattr(push, "PROBE_MAX_S", 1.0)
+    monkeypatch.setattr(push, "PROBE_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(push, "PROBE_REPLY_SLACK_S", 0.5)
+    link_cfg = LinkConfig(heartbeat_s=0.3, peer_timeout_s=10)
+    link = TrainerLink(f"tcp://127.0.0.1:{free_port()}", link_cfg)
+    model = _model()
+    bc = WeightBroadcaster(WeightSyncConfig(backend="gloo", bucket_mb=1, base_port=29500 + os.getpid() % 20000),
+                           master_host="127.0.0.1", timeout_s=TIMEOUT_S)
+    pusher = WeightPusher(link, bc, model, WeightGuard(0), request_timeout_s=TIMEOUT_S + 5, max_failures=2,
+                          bench_after=2)
+    actors: list[GlooActor] = []
+    background = None
+    with keep_stdout():  # ranks of one group initialise gloo in threads of this process
+        try:
+            await link.start()
+            good, frozen = (GlooActor(link.endpoint, name, link_cfg) for name in ("good", "frozen"))
+            for a in (good, frozen):
+                actors.append(a)
+                await a.start()
+            await _eventually(lambda: sum(p.connected for p in link.peers().values()) == 2, 30, "both actors")
+            pid = {p.node_id: p.peer_id for p in link.peers().values()}
+            assert await pusher.push()
+            assert good.version == frozen.version == 0
+
+            frozen.frozen = True
+            await asyncio.to_thread(pusher.guard.step, lambda: _Stepped())
+            assert not await pusher.push()  # the frozen rank never votes on the plan: names no one
+            assert not await pusher.push()  # a new epoch: its rank does not join (1st failure named on it)
+            assert pusher.health() == "" and not pusher.benched
+            assert not await pusher.push()  # 2nd: benched
+            assert list(pusher.benched) == [pid["frozen"]], pusher.last_error
+            assert "did not join" in pusher.benched[pid["frozen"]].reason
+            assert await pusher.push()  # the healthy actor alone, in a new epoch
+            assert set(pusher.members) == {pid["good"]} and good.version == pusher.pushed_version == 1
+            assert all(torch.equal(good.received[n], t) for n, t in update_tensors(model))
+            assert not pusher.engines_behind(pusher.guard.version, 0)
+            assert pusher.health() == "" and pusher.own_failures_in_a_row == 0
+            (shown,) = pusher.bench_status()
+            assert shown["node_id"] == "frozen" and shown["peer"] == pid["frozen"]
+
+            # The probes: unanswered while it is frozen.
+            background = asyncio.create_task(pusher.run())
+            await _eventually(lambda: pusher.benched[pid["frozen"]].probes >= 2, 30, "two unanswered probes")
+            assert frozen.version == 0 and pid["frozen"] in pusher.benched
+            await asyncio.to_thread(pusher.guard.step, lambda: _Stepped())
+            assert await pusher.push()  # steps go on with the healthy actor
+            assert good.version == 2
+
+            frozen.frozen = False  # thawed: the next probe is answered, it rejoins and catches up
+            await _eventually(lambda: not pusher.benched and frozen.version == 2 and pusher.pushed_version == 2,
+                              60, "the thawed actor to rejoin and catch up")
+            assert set(pusher.members) == {pid["good"], pid["frozen"]} and pusher.readmissions == 1
+            assert frozen.probes >= 1 and pusher.health() == ""
+            assert all(torch.equal(frozen.received[n], t) for n, t in update_tensors(model))
+        finally:
+            if background is not None:
+                background.cancel()
+                await asyncio.gather(background, return_exceptions=True)
+            for a in actors:
+                await a.close()
+            await asyncio.to_thread(bc.close_group)
+            await link.close()
+
+
+def test_bench_after_is_validated():
+    from rlnode.config import ConfigError, load_config
+
+    assert load_config(None).trainer.weights.bench_after == 2
+    with pytest.raises(ConfigError, match=r"trainer\.weights\.bench_after"):
+        load_config(None, ["trainer.weights.bench_after=0"])

@@ -331,9 +331,9 @@ class ActorDaemon:
             self._fatal.put_nowait(fatal)
 
     async def _handle(self, command: WeightCommand) -> WeightResult:
-        from rlnode.actor.weight_receiver import apply_weight_update, join_group
+        from rlnode.actor.weight_receiver import apply_weight_update, join_group, probe_engine
         from rlnode.weights.plan import LoadError
-        from rlnode.weights.protocol import EpochJoined, JoinEpoch, LoadWeights, WeightsLoaded
+        from rlnode.weights.protocol import EpochJoined, JoinEpoch, LoadWeights, Probe, ProbeAnswered, WeightsLoaded
 
         if isinstance(command, JoinEpoch):
             spec = command.spec
@@ -357,6 +357,9 @@ class ActorDaemon:
             self.link.set_version(plan.version)
             set_version(plan.version)
             return WeightsLoaded(plan.version, max(t.stalled_s for t in timings))
+        if isinstance(command, Probe):  # benched by the trainer: may it rejoin?
+            await asyncio.gather(*(probe_engine(e, command.timeout_s) for e in self.engines))
+            return ProbeAnswered(len(self.engines))
         raise TypeError(f"no handler for {type(command).__name__}")  # a new command without its handler
 
     async def shutdown(self) -> None:

@@ -56,7 +56,7 @@ from rlnode.weights.plan import (
 from rlnode.weights.worker import EXTENSION
 
 __all__ = ["EXTENSION", "apply_weight_update", "join_group", "leave_group", "load_failure", "prepare_engine",
-           "receives_while_generating"]
+           "probe_engine", "receives_while_generating"]
 
 if TYPE_CHECKING:
     from rlnode.actor.engine import Engine
@@ -279,6 +279,22 @@ async def prepare_engine(engine: Engine) -> None:
 async def weight_digest_of(engine: Engine) -> dict[str, tuple[float, float, str]]:
     """The engine's weight digests (worker 0's; see rlnode_weight_digest)."""
     return (await _rpc(engine, "rlnode_weight_digest"))[0]
+
+
+async def probe_engine(engine: Engine, timeout_s: float) -> None:
+    """Return within ``timeout_s`` only if ``engine`` could take a weight
+    command now: no join or update holds its lock (one stuck behind a
+    frozen engine core would hold up the next join), it loaded every update
+    it began, and its engine core and every worker answer a call. Raises
+    TransferError otherwise (the trainer keeps the node benched)."""
+    if why := load_failure(engine):
+        raise TransferError(f"engine {engine.engine_id}: {why}")
+    try:
+        async with asyncio.timeout(timeout_s), _lock(engine):
+            await _rpc(engine, "rlnode_poll")
+    except TimeoutError:
+        raise TransferError(f"engine {engine.engine_id}: no answer within {timeout_s:g} s "
+                            "(a weight job in the way, or the engine core does not answer)") from None
 
 
 async def leave_group(engine: Engine) -> None:

@@ -36,8 +36,10 @@ def rows(peer: str, st: dict) -> list[str]:
             last = s.get("last_step") or {}
             peers = sum(p["connected"] for p in s.get("peers", []))
             rate = f"{last.get('samples', 0) / max(last.get('step_s', 0) or 1e-9, 1e-9):.1f} samples/s" if last else "-"
+            benched = ", ".join(b["node_id"] for b in s.get("weights", {}).get("benched", []))
             detail = (f"step {s['step']}, reward {last.get('reward_mean', 0):.3f}, {rate}, "
-                      f"{peers} actor(s), {s['buffered_groups']} groups buffered")
+                      f"{peers} actor(s){f' (benched: {benched})' if benched else ''}, "
+                      f"{s['buffered_groups']} groups buffered")
         else:
             link = s.get("link", {})
             conn = "connected" if link.get("connected") else ("no trainer" if not link else "DISCONNECTED")

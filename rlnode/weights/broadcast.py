@@ -317,7 +317,7 @@ class WeightBroadcaster:
             self._comm = WeightComm(spec, 0, self.device, listen_socket=sock)
         except RendezvousError as e:  # keeps its type: it names the rank that failed the epoch
             sock.close()
-            raise RendezvousError(f"rendezvous failed: {e}") from e
+            raise RendezvousError(f"rendezvous failed: {e}", e.ranks) from e
         except Exception as e:
             sock.close()
             raise TransferError(f"group epoch {spec.epoch}: rendezvous failed: {e!r}") from e

@@ -10,6 +10,11 @@ by the actor daemon, which hands it to its engines
                              <-------------   EpochJoined(epoch)
     LoadWeights(plan)        ------------->   pause (keep), receive, load, resume
                              <-------------   WeightsLoaded(version, stalled_s)
+    Probe(timeout_s)         ------------->   every engine answers a call
+                             <-------------   ProbeAnswered(engines)
+
+``Probe`` goes only to an actor the trainer left out of the group (benched,
+``rlnode.weights.push``): its answer says the node could take a join now.
 
 The bytes of the weights never travel here: they follow on the group epoch
 (``comm.WeightComm``) as one broadcast per bucket of ``plan``.
@@ -62,5 +67,21 @@ class WeightsLoaded(_Weights, tag="loaded"):
     stalled_s: float
 
 
-WeightCommand = JoinEpoch | LoadWeights
-WeightResult = EpochJoined | WeightsLoaded
+class Probe(_Weights, tag="probe"):
+    """trainer -> actor, benched actors only: answer once every engine has
+    no weight job in the way and answered a call through its engine core
+    and workers, within ``timeout_s`` (else fail). An actor that predates
+    it cannot decode it (counted malformed there, no reply): it stays
+    benched until it registers again."""
+
+    timeout_s: float
+
+
+class ProbeAnswered(_Weights, tag="probed"):
+    """actor -> trainer: every one of the node's ``engines`` answered."""
+
+    engines: int
+
+
+WeightCommand = JoinEpoch | LoadWeights | Probe
+WeightResult = EpochJoined | WeightsLoaded | ProbeAnswered

@@ -89,7 +89,13 @@ _CHANNEL_TAG = 7301  # gloo send/recv tag of the channel check
 class RendezvousError(TransferError):
     """The epoch's rendezvous failed: a rank did not prove it holds the
     secret, did not come in time, or the store was tampered with. The epoch
-    is unusable, as after any ``TransferError``: form a new one."""
+    is unusable, as after any ``TransferError``: form a new one. ``ranks``:
+    the ranks rank 0 found at fault (missing, unproven), () when it cannot
+    say; the trainer maps them back to actors."""
+
+    def __init__(self, message: str, ranks: tuple[int, ...] | list[int] = ()):
+        super().__init__(message)
+        self.ranks = tuple(ranks)
 
 
 def new_secret() -> str:
@@ -287,10 +293,10 @@ class Rendezvous:
                 if bad := [k for k in pending if claims[k].refuted(now)]:
                     raise RendezvousError(f"group epoch {spec.epoch}: rank(s) {bad} did not prove they hold the "
                                           "epoch's secret (a wrong secret, or a peer outside the epoch "
-                                          "claiming the rank)")
+                                          "claiming the rank)", bad)
                 if now > deadline:
                     raise RendezvousError(f"group epoch {spec.epoch}: rank(s) {pending} did not join "
-                                          f"within {spec.timeout_s:g} s")
+                                          f"within {spec.timeout_s:g} s", pending)
                 time.sleep(POLL_S)
         except RendezvousError as e:
             log.warning("rendezvous.refused", epoch=spec.epoch, error=str(e))
@@ -477,7 +483,7 @@ def prove_channels(pg, key: bytes, epoch: int, rank: int, world_size: int, timeo
     if bad:
         log.warning("rendezvous.bad_channel", epoch=epoch, rank=rank, peers=bad)
         raise RendezvousError(f"group epoch {epoch}: rank {rank}: the peer(s) connected as rank(s) {bad} "
-                              "do not hold the epoch's secret")
+                              "do not hold the epoch's secret", bad)
     if int(total.item()):
         raise RendezvousError(f"group epoch {epoch}: {int(total.item())} connection(s) between other ranks "
                               "failed the secret check")
