@@ -389,3 +389,94 @@ async def test_greedy_evaluation_settings_win_over_the_agents_temperature(make_g
                 await client.close()
             assert s.calls[0].temperature == 0.0 and r.choices[0].message is not None
     assert outs[0] == outs[1]  # greedy: the same tokens twice
+
+
+async def test_a_reply_the_agent_never_got_is_not_trained(make_gateway, router, engine, hf_model):
+    """The agent gives up on a call (a client timeout) while the engine
+    still runs it, then retries. The call it never saw is not trained on,
+    and the retry extends the history the agent did see."""
+    # A first call long enough (512 tokens, no early end) to hang up during.
+    settings = EpisodeSettings(SamplingSettings(max_tokens=512, ignore_eos=True), max_turns=6, max_model_len=2048)
+    gw = make_gateway(router, settings)
+    async with gw.serve(), gw.session("ep-hangup") as s:
+        client = client_for(s)
+        messages = [{"role": "user", "content": "x"}]
+        first = asyncio.create_task(client.chat.completions.create(model="tiny", messages=messages))
+        while not s._inflight:  # the engine has the call
+            await asyncio.sleep(0.002)
+        first.cancel()  # httpx closes the connection of a cancelled request
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        while s._inflight:
+            await asyncio.sleep(0.002)
+        await s.settle()
+        retry = await client.chat.completions.create(model="tiny", messages=messages, max_tokens=2)
+        messages += [retry.choices[0].message, {"role": "user", "content": "next"}]
+        await client.chat.completions.create(model="tiny", messages=messages, max_tokens=2)
+        await s.settle()
+        await client.close()
+    assert router.in_flight == [0]
+    await assert_engine_idle(engine)
+    assert [c.step_index for c in s.calls] == [1, 2]
+    assert s.history_resets == 0 and not s.calls[-1].history_reset
+    check_parity(s.calls, hf_model)
+
+
+async def test_concurrent_calls_cannot_pass_the_turn_limit(make_gateway, router, mode, monkeypatch):
+    """Calls of one episode at once, each tokenized in a thread (an await
+    between the turn check and taking the turn, were there one): exactly
+    max_turns of them run, the rest are refused."""
+    from rlnode.actor.gateway import server
+
+    monkeypatch.setattr(server, "TOKENIZE_INLINE_CHARS", 0)  # every call tokenized off the loop
+    settings = EpisodeSettings(SamplingSettings(max_tokens=2), max_turns=2, max_model_len=2048)
+    gw = make_gateway(router, settings)
+    async with gw.serve(), gw.session("ep-burst") as s:
+        client = client_for(s)
+        outcomes = await asyncio.gather(*(
+            client.chat.completions.create(model="m", messages=[{"role": "user", "content": f"call {i}"}])
+            for i in range(6)), return_exceptions=True)
+        await s.settle()
+        await client.close()
+    refused = [o for o in outcomes if isinstance(o, openai.BadRequestError)]
+    assert len(s.calls) == 2 and len(refused) == 4, outcomes
+    assert all(o.body["code"] == "max_turns_exceeded" for o in refused)
+
+
+async def test_one_episodes_environment_calls_run_one_at_a_time(gateway):
+    """POST env/step of one episode, many at once: the task sees them one
+    after another (a cube task is a sequential environment)."""
+    import httpx
+
+    from rlnode.cubes.base import CubeTask, CubeTaskRef, StepResult
+
+    class Probe(CubeTask):
+        ref = CubeTaskRef("probe", "t")
+
+        def __init__(self):
+            self.running = self.most = self.steps = 0
+
+        async def reset(self):
+            raise NotImplementedError
+
+        def tools(self):
+            return []
+
+        async def step(self, action):
+            self.running += 1
+            self.most = max(self.most, self.running)
+            await asyncio.sleep(0.01)
+            self.running -= 1
+            self.steps += 1
+            return StepResult(observation=action.text)
+
+        async def evaluate(self):
+            raise NotImplementedError
+
+    task = Probe()
+    async with gateway.session("ep-env", task) as s:
+        async with httpx.AsyncClient(headers={"Authorization": f"Bearer {s.api_key}"}) as http:
+            replies = await asyncio.gather(*(http.post(s.endpoint.env_url + "/step", json={"text": str(i)})
+                                             for i in range(8)))
+    assert [r.status_code for r in replies] == [200] * 8
+    assert task.steps == 8 and task.most == 1

@@ -39,7 +39,7 @@ from rlnode.actor.episode import EpisodeSettings, make_renderer
 from rlnode.actor.gateway.api import MAX_REQUEST_BYTES, GatewayError
 from rlnode.actor.gateway.protocol import (
     Abort, CallFailed, Channel, CloseSession, EnvCall, EnvReplied, Generate, Generated, HostFailed, HostReady,
-    HostStart, HostStats, OpenSession, PostReward, SessionState, Settle, ToHost, Tokens,
+    HostStart, HostStats, OpenSession, PostReward, SessionState, Settle, ToHost, Tokens, Unsent,
 )
 from rlnode.actor.gateway.server import Gateway
 from rlnode.actor.gateway.session import GatewaySession
@@ -89,6 +89,8 @@ class HostGateway(Gateway):
         except asyncio.CancelledError:  # the agent went away: the daemon aborts the engine request
             if self._pending.pop(call_id, None) is not None:
                 self.chan.send(Abort(call_id))
+            elif p.fut.done() and not p.fut.cancelled() and p.fut.exception() is None:
+                self.chan.send(Unsent(s.token, step))  # answered, and recorded there: drop it
             raise
         finally:
             self._pending.pop(call_id, None)
@@ -99,6 +101,11 @@ class HostGateway(Gateway):
     def _record(self, s, messages, tools, prompt, gen, step, version, temperature, reset, reply) -> None:
         # The daemon keeps the calls (its own record); the host the history.
         s.remember(step, messages, tools, prompt, gen.completion.token_ids, reply)
+
+    def _unsent(self, s: GatewaySession, step: int) -> None:
+        # The history here; the call's record (and the count) in the daemon.
+        s.forget(step)
+        self.chan.send(Unsent(s.token, step))
 
     async def _env_tools(self, request: web.Request) -> web.Response:
         try:

@@ -36,7 +36,7 @@ from rlnode.actor.episode import EpisodeSettings, request_seed
 from rlnode.actor.gateway.api import GatewayError
 from rlnode.actor.gateway.protocol import (
     Abort, CallFailed, Channel, CloseSession, EnvCall, EnvReplied, Generate, Generated, HostFailed, HostReady,
-    HostStart, HostStats, OpenSession, PostReward, SessionState, Settle, ToDaemon, Tokens, WireSettings,
+    HostStart, HostStats, OpenSession, PostReward, SessionState, Settle, ToDaemon, Tokens, Unsent, WireSettings,
 )
 from rlnode.actor.gateway.server import Gateway, env_step, make_agents_dir
 from rlnode.actor.gateway.session import GatewaySession, GatewayStats, ServedCall
@@ -351,6 +351,11 @@ class HostedGateway:
                     task = self._calls.get((host.pid, call_id))
                     if task is not None:
                         task.cancel()
+                case Unsent(token=token, step=step):
+                    s = self.sessions.get(token)
+                    if s is not None and s.forget(step):
+                        self.stats.unsent += 1
+                        log.info("gateway.reply_unsent", episode=s.episode_id, step=step)
                 case EnvCall():
                     self._env(host, m)
                 case PostReward():

@@ -7,8 +7,9 @@ Daemon -> host: ``HostStart`` (once, first), ``OpenSession``,
 ``Tokens`` (a streamed call's new token ids), ``Generated``,
 ``CallFailed``, ``EnvReplied``.
 Host -> daemon: ``HostReady`` (once, or ``HostFailed``), ``Generate``,
-``Abort``, ``EnvCall``, ``PostReward``, ``SessionState`` (answering
-``OpenSession``, ``Settle`` and ``CloseSession``), ``HostStats``.
+``Abort``, ``Unsent``, ``EnvCall``, ``PostReward``, ``SessionState``
+(answering ``OpenSession``, ``Settle`` and ``CloseSession``),
+``HostStats``.
 
 Token-in / token-out. The host chooses a call's prompt ids (the chat
 template, the re-sent history matched and tokenized there); the daemon
@@ -156,6 +157,16 @@ class Abort(_Msg):
     call_id: int
 
 
+class Unsent(_Msg):
+    """A call the daemon answered whose reply never reached the agent (it
+    hung up, or the write failed): its sample is dropped. An agent that
+    gave up and retried would otherwise be trained on both tries, one of
+    which it never saw."""
+
+    token: str
+    step: int
+
+
 class EnvCall(_Msg):
     call_id: int
     token: str
@@ -195,7 +206,7 @@ class HostStats(_Msg):
 
 
 ToHost = Union[HostStart, OpenSession, CloseSession, Settle, Tokens, Generated, CallFailed, EnvReplied]
-ToDaemon = Union[HostReady, HostFailed, Generate, Abort, EnvCall, SessionState, HostStats, PostReward]
+ToDaemon = Union[HostReady, HostFailed, Generate, Abort, Unsent, EnvCall, SessionState, HostStats, PostReward]
 
 
 class Channel(asyncio.Protocol):

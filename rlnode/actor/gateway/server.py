@@ -33,8 +33,13 @@ from rlnode.ops.netaddr import local_url_host
 log = get_logger("rlnode.gateway")
 
 
-
 AGENTS_DIR_PREFIX = "rlnode-gateway-"
+
+
+def agent_gone(request: web.Request) -> bool:
+    """The agent's connection is closed (it gave up on the call)."""
+    transport = request.transport
+    return transport is None or transport.is_closing()
 
 
 def make_agents_dir() -> str:
@@ -189,11 +194,15 @@ class Gateway:
                                param="tool_choice")
         if not req.messages:
             raise GatewayError(400, "messages must not be empty", param="messages")
-        # The turn limit first: a refused call costs no template work.
+        # The turn limit first: a refused call costs no template work. The
+        # turn is checked and taken with no await between: concurrent calls
+        # of one episode (tokenized in threads) cannot all pass the check.
         if s.next_step >= settings.max_turns:
             s.terminated = s.terminated or "max_turns"
             raise GatewayError(400, f"the episode used its {settings.max_turns} LLM calls (actor.episode.max_turns)",
                                code="max_turns_exceeded")
+        step = s.next_step
+        s.next_step += 1
         messages = [template_message(m, i) for i, m in enumerate(req.messages)]
         tools = req.tools or None
         tools_on = bool(tools) and tool_choice != "none"
@@ -221,14 +230,12 @@ class Gateway:
             raise GatewayError(400, f"prompt of {len(prompt)} tokens leaves no room in the {settings.max_model_len}"
                                     "-token context", code="context_length_exceeded", param="messages")
         want = req.max_completion_tokens or req.max_tokens or base.max_tokens
-        step = s.next_step
         # The episode's seed per call (an agent's own seed is mixed in, never
         # used alone: an agent that sends one fixed seed would otherwise make
         # every attempt of its group sample the same tokens).
         seed = req.seed if settings.seed is None else request_seed(settings.seed, step, req.seed)
         sampling = msgspec.structs.replace(base, temperature=temperature, seed=seed,
                                            max_tokens=max(1, min(want, base.max_tokens, room)))
-        s.next_step += 1
         s.history_resets += reset
         self.stats.history_resets += reset
         version = s.policy_version()
@@ -236,16 +243,29 @@ class Gateway:
             return await stream_completion(self, request, s, req, messages, tools, tools_on, prompt, sampling, step,
                                            version, reset)
         gen = await self._generate(s, prompt, sampling, step=step, reset=reset, agent_seed=req.seed)
-        reply, finish, calls, reasoning = self._reply(gen, tools if tools_on else None, prompt)
-        self._record(s, messages, tools, prompt, gen, step, version, temperature, reset, reply)
-        body = {
-            "id": f"chatcmpl-{s.episode_id}-{step}", "object": "chat.completion", "created": int(time.time()),
-            "model": self.model_name,
-            "choices": [{"index": 0, "message": openai_message(reply, calls, step, reasoning), "finish_reason": finish,
-                         "logprobs": None}],
-            "usage": usage(prompt, gen),
-        }
-        return web.json_response(body)
+        delivered = False
+        try:
+            if agent_gone(request):  # it hung up during the call (a client timeout, then maybe a retry)
+                raise ConnectionResetError("the agent hung up before the reply")
+            reply, finish, calls, reasoning = self._reply(gen, tools if tools_on else None, prompt)
+            self._record(s, messages, tools, prompt, gen, step, version, temperature, reset, reply)
+            body = {
+                "id": f"chatcmpl-{s.episode_id}-{step}", "object": "chat.completion", "created": int(time.time()),
+                "model": self.model_name,
+                "choices": [{"index": 0, "message": openai_message(reply, calls, step, reasoning),
+                             "finish_reason": finish, "logprobs": None}],
+                "usage": usage(prompt, gen),
+            }
+            # Written here, not by aiohttp after the handler returns: a
+            # write that fails must drop the call's sample.
+            resp = web.json_response(body)
+            await resp.prepare(request)
+            await resp.write_eof()
+            delivered = True
+            return resp
+        finally:
+            if not delivered:
+                self._unsent(s, step)
 
     async def _generate(self, s: GatewaySession, prompt: list[int], sampling: SamplingSettings,
                         on_tokens: Callable | None = None, *, step: int, reset: bool,
@@ -292,6 +312,13 @@ class Gateway:
         s.calls.append(ServedCall(step, prompt, gen, version, temperature, reset))
         s.remember(step, messages, tools, prompt, gen.completion.token_ids, reply)
         self.stats.calls += 1
+
+    def _unsent(self, s: GatewaySession, step: int) -> None:
+        """Call ``step`` was answered by the engine but its reply did not
+        reach the agent: not trained on (``GatewaySession.forget``)."""
+        if s.forget(step):
+            self.stats.unsent += 1
+            log.info("gateway.reply_unsent", episode=s.episode_id, step=step)
 
     # -- environment ------------------------------------------------------------
 
@@ -347,11 +374,16 @@ async def env_step(s: GatewaySession, raw: bytes) -> bytes:
         raise GatewayError(400, f"request body is not JSON: {e}") from e
     if s.task is None or not getattr(s.task, "has_environment", True):
         raise GatewayError(404, "this episode has no environment", code="no_environment")
-    if s.env_done:
-        raise GatewayError(409, "the environment already ended this episode", code="episode_done")
     calls = [ToolCall(body.tool, body.arguments)] if body.tool else []
+    async with s.env_lock:  # one at a time per episode, in arrival order (asyncio.Lock is fair)
+        if s.env_done:
+            raise GatewayError(409, "the environment already ended this episode", code="episode_done")
+        return await _step(s, Action(text=body.text, tool_calls=calls))
+
+
+async def _step(s: GatewaySession, action: Action) -> bytes:
     try:
-        result = await s.task.step(Action(text=body.text, tool_calls=calls))
+        result = await s.task.step(action)
     except NotImplementedError as e:
         raise GatewayError(404, f"this episode has no environment: {e}", code="no_environment") from e
     except Exception as e:  # the cube's failure, in OpenAI's error shape (not a bare 500)

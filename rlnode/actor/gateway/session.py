@@ -41,6 +41,7 @@ class GatewayStats(msgspec.Struct):
     unauthorized: int = 0  # unknown token or wrong key
     temperature_floored: int = 0  # calls that asked below actor.sampling.min_temperature (raised to it)
     rewards_refused: int = 0  # POST env/reward refused: not the task's reward source, wrong key, out of bounds
+    unsent: int = 0  # calls answered by the engine whose reply never reached the agent: samples dropped
     agent_rewards_ignored: int = 0  # rewards an agent returned where the evaluator decides
 
 
@@ -103,6 +104,12 @@ class GatewaySession:
         self._empty_reply = False
         self._engine: int | None = None
         self._inflight: set[asyncio.Task] = set()
+        # The history before the newest remembered call, while that call's
+        # reply may still fail to reach the agent (``forget``).
+        self._undo: tuple[int, tuple] | None = None
+        # One environment call at a time: a cube task is a sequential
+        # environment (its state after step k is the input of step k+1).
+        self.env_lock = asyncio.Lock()
 
     @property
     def endpoint(self) -> AgentEndpoint:
@@ -155,12 +162,35 @@ class GatewaySession:
                  reply: dict[str, Any]) -> None:
         if step < self._remembered_step:  # concurrent calls: the newer one already set the history
             return
+        self._undo = (step, self._history_state())
         self._remembered_step = step
         self._history = messages + [reply]
         self._empty_reply = not reply["content"] and not reply.get("tool_calls")
         self._tools = tools or []
         self._ids = prompt + completion
         self._last_completion = completion
+
+    def _history_state(self) -> tuple:
+        return (self._remembered_step, self._history, self._empty_reply, self._tools, self._ids,
+                self._last_completion)
+
+    def forget(self, step: int) -> bool:
+        """Call ``step`` was answered but its reply never reached the agent
+        (it hung up first, or the write failed): its sample is dropped and,
+        when it is the newest call, the history is what it was before it,
+        so the agent's retry extends the conversation it did see. The turn
+        stays taken (the engine did the work; an agent that keeps hanging up
+        must not get unbounded calls). True when anything was forgotten."""
+        n = len(self.calls)
+        self.calls = [c for c in self.calls if c.step_index != step]
+        forgot = len(self.calls) < n
+        if self._undo is not None and self._undo[0] == step and self._remembered_step == step:
+            (self._remembered_step, self._history, self._empty_reply, self._tools, self._ids,
+             self._last_completion) = self._undo[1]
+            forgot = True
+        if self._undo is not None and self._undo[0] == step:
+            self._undo = None
+        return forgot
 
     async def settle(self) -> None:
         """Wait until every decision the gateway took for this episode

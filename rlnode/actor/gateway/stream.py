@@ -75,27 +75,34 @@ async def stream_completion(gw, request, s, req, messages, tools, tools_on, prom
             await resp.write(b"data: " + json.dumps({"error": {"message": e.message, "type": e.type,
                                                                  "code": e.code}}).encode() + b"\n\n")
             return resp
-        reply, finish, calls, reasoning = gw._reply(gen, tools if tools_on else None, prompt)
-        if reasoning is not None:  # never streamed early (see _stream_safe), so it precedes all content
-            await resp.write(chunk(reasoning_delta(reasoning)))
-        content = reply["content"]
-        if not content.startswith(sent):  # cannot happen with a prefix-stable decode; keep parity honest
-            log.warning("gateway.stream_diverged", episode=s.episode_id, step=step)
-            reply["content"] = content = sent
-        if len(content) > len(sent):
-            await resp.write(chunk({"content": content[len(sent):]}))
-        if calls:
-            msg = openai_message(reply, calls, step)
-            await resp.write(chunk({"tool_calls": [dict(tc, index=i) for i, tc in enumerate(msg["tool_calls"])]}))
-        gw._record(s, messages, tools, prompt, gen, step, version, sampling.temperature, reset, reply)
-        gw.stats.streamed += 1
-        await resp.write(chunk({}, finish))
-        if (req.stream_options or {}).get("include_usage"):
-            body = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": gw.model_name,
-                    "choices": [], "usage": usage(prompt, gen)}
-            await resp.write(b"data: " + json.dumps(body).encode() + b"\n\n")
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
+        delivered = False
+        try:
+            reply, finish, calls, reasoning = gw._reply(gen, tools if tools_on else None, prompt)
+            if reasoning is not None:  # never streamed early (see _stream_safe), so it precedes all content
+                await resp.write(chunk(reasoning_delta(reasoning)))
+            content = reply["content"]
+            if not content.startswith(sent):  # cannot happen with a prefix-stable decode; keep parity honest
+                log.warning("gateway.stream_diverged", episode=s.episode_id, step=step)
+                reply["content"] = content = sent
+            if len(content) > len(sent):
+                await resp.write(chunk({"content": content[len(sent):]}))
+            if calls:
+                msg = openai_message(reply, calls, step)
+                await resp.write(chunk({"tool_calls": [dict(tc, index=i)
+                                                        for i, tc in enumerate(msg["tool_calls"])]}))
+            gw._record(s, messages, tools, prompt, gen, step, version, sampling.temperature, reset, reply)
+            gw.stats.streamed += 1
+            await resp.write(chunk({}, finish))
+            if (req.stream_options or {}).get("include_usage"):
+                body = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": gw.model_name,
+                        "choices": [], "usage": usage(prompt, gen)}
+                await resp.write(b"data: " + json.dumps(body).encode() + b"\n\n")
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+            delivered = True
+        finally:
+            if not delivered:  # the agent hung up before the end of the stream: not trained on
+                gw._unsent(s, step)
         return resp
     finally:
         # A client that went away mid-stream: abort the engine request.
