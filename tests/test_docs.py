@@ -59,7 +59,7 @@ _LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 def test_relative_links_resolve():
     broken = []
-    for page in [ROOT / "README.md", *DOCS.rglob("*.md")]:
+    for page in [ROOT / "README.md", ROOT / "examples" / "README.md", *DOCS.rglob("*.md")]:
         for target in _LINK.findall(page.read_text()):
             if re.match(r"[a-z]+:", target) or target.startswith("#"):
                 continue
