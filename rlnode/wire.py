@@ -15,6 +15,8 @@ from __future__ import annotations
 import numpy as np
 import msgspec
 
+# The sample's span labels are weights labels: their helpers are re-exported.
+from rlnode.weights.plan import INITIAL_WEIGHTS, parse_weights_label, weights_label  # noqa: F401
 from rlnode.weights.protocol import WeightCommand, WeightResult
 
 
@@ -32,12 +34,10 @@ def unpack_i32(buf: bytes) -> np.ndarray:
 
 def span_version(label: str) -> int | None:
     """The policy version a ``weight_versions`` span label names (the engine
-    labels spans with str(version)), or None for a label that names none
-    (vLLM's "default"). At most 18 characters are parsed: int() refuses a
-    hostile label of more than 4,300 digits with an exception."""
-    if len(label) > 18 or not label.lstrip("-").isdigit():
-        return None
-    return int(label)
+    labels spans with ``weights_label``), or None for a label that names
+    none (vLLM's "default")."""
+    parsed = parse_weights_label(label)
+    return None if parsed is None else parsed[0]
 
 
 def unpack_f32(buf: bytes) -> np.ndarray:
@@ -76,7 +76,10 @@ class TrainingSample(msgspec.Struct, array_like=True, omit_defaults=True, tag="s
     policy_version: int  # actor's policy version when the generation started
     temperature: float  # the trainer scores tokens at logits / temperature
     lease: LeaseMetadata
-    # (version label, start, end) spans over completion tokens, from vLLM.
+    # (weights label, start, end) spans over completion tokens, from vLLM:
+    # the label names the weights that produced them (``weights_label``:
+    # version and trainer incarnation), which the trainer checks against
+    # its own lineage (trainer/buffer.py).
     weight_versions: list[tuple[str, int, int]] = []
     num_turns: int = 0  # LLM calls in the episode
 

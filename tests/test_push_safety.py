@@ -70,8 +70,9 @@ async def rig(tmp_path_factory, engine_config):
     actor = ActorDaemon(cfg)
     stop = asyncio.Event()
     run = None
+    # As the trainer daemon's: its plans name the link's incarnation.
     bc = WeightBroadcaster(WeightSyncConfig(backend="gloo", bucket_mb=1, base_port=random.randrange(30000, 60000)),
-                           master_host="127.0.0.1", timeout_s=30)
+                           master_host="127.0.0.1", timeout_s=30, source=link.incarnation)
     try:
         await actor.start()
         run = asyncio.create_task(actor.run(stop))
@@ -90,6 +91,13 @@ async def rig(tmp_path_factory, engine_config):
         await link.close()
 
 
+def _label(rig: Rig, version: int) -> str:
+    """The name of the weights the rig's trainer pushed as ``version``."""
+    from rlnode.wire import weights_label
+
+    return weights_label(version, rig.pusher.link.incarnation)
+
+
 async def _engine_diffs(rig: Rig, version: int, *models) -> list[float]:
     """Sample from the engine; max |engine - model| logprob per model. Every
     token must carry ``version``'s label."""
@@ -99,7 +107,7 @@ async def _engine_diffs(rig: Rig, version: int, *models) -> list[float]:
     outs = await asyncio.gather(*(engine.generate(p, SamplingSettings(max_tokens=12, seed=i, ignore_eos=True))
                                   for i, p in enumerate(rig.prompts)))
     for c in outs:
-        assert c.weight_versions == [(str(version), 0, 12)], c.weight_versions
+        assert c.weight_versions == [(_label(rig, version), 0, 12)], c.weight_versions
     return [max((reference_logprobs(m, p, c.token_ids) - torch.tensor(c.logprobs)).abs().max().item()
                 for p, c in zip(rig.prompts, outs)) for m in models]
 
@@ -129,7 +137,7 @@ def _staged_step(model: torch.nn.Module, target: dict[str, torch.Tensor], starte
 @pytest.mark.engine
 async def test_push_during_a_step_carries_the_post_step_weights_and_their_version(rig):
     assert await rig.pusher.push()  # version 0, the weights on disk
-    assert rig.actor.engines[0].weight_version == "0"
+    assert rig.actor.engines[0].weight_version == _label(rig, 0)
     before = copy.deepcopy(rig.hf)
     gen = torch.Generator().manual_seed(3)
     target = {n: p.detach() + 0.05 * torch.randn(p.shape, generator=gen) for n, p in rig.hf.named_parameters()}
@@ -145,7 +153,7 @@ async def test_push_during_a_step_carries_the_post_step_weights_and_their_versio
     await step
     assert pushed and guard.version == rig.pusher.pushed_version == 1
     assert waited > 1.0  # it waited for the step instead of reading mid-step
-    assert rig.actor.engines[0].weight_version == "1"
+    assert rig.actor.engines[0].weight_version == _label(rig, 1)
     new_diff, old_diff = await _engine_diffs(rig, 1, after, before)
     assert new_diff < 1e-4, f"engine vs post-step weights: {new_diff}"
     assert old_diff > 1e-2, f"engine still serves the pre-step weights: {old_diff}"
@@ -177,7 +185,7 @@ async def test_engine_refuses_an_older_version_without_hanging_the_group(rig):
     assert pusher.last_error.startswith(f"PlanMismatch: version {held - 1}: 1 receiver rank(s) rejected the plan")
     assert f"version {held - 1} is older than version {held} that the engine holds" in pusher.last_error
     # Nothing loaded: same weights, same label.
-    assert rig.actor.engines[0].weight_version == str(held) and not load_failure(rig.actor.engines[0])
+    assert rig.actor.engines[0].weight_version == _label(rig, held) and not load_failure(rig.actor.engines[0])
     assert (await _engine_diffs(rig, held, rig.hf))[0] < 1e-4
 
     # The next (newer) version goes through and clears the failure streak.

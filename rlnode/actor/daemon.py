@@ -444,7 +444,10 @@ class ActorDaemon:
             "node_id": self.node_id, "incarnation": self.incarnation, "version": self.versions.version,
             "engines": [{"id": e.engine_id, "serving": e.llm is not None, "in_flight": e.in_flight,
                          "requests": e.requests_total, "failed": e.requests_failed,
-                         "generated_tokens": e.generated_tokens} for e in self.engines],
+                         "generated_tokens": e.generated_tokens,
+                         # The weights it serves and salts its prefix cache with:
+                         # "{version}@{trainer incarnation}" ("0": the model on disk).
+                         "weights": e.weight_version} for e in self.engines],
             "router": msgspec.to_builtins(r),
             "cubes": {c: s.summary() for c, s in self.scheduler.stats.items()} if self.scheduler else {},
             "groups_started": self.scheduler.started_groups if self.scheduler else 0,

@@ -35,6 +35,7 @@ import msgspec
 from rlnode.actor import engine_guard, vllm_compat
 from rlnode.config import EngineConfig, ModelConfig
 from rlnode.log import get_logger
+from rlnode.wire import INITIAL_WEIGHTS, parse_weights_label
 
 if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -67,6 +68,17 @@ class Completion(msgspec.Struct, array_like=True, omit_defaults=True):
 class EngineError(RuntimeError):
     """A generation failed inside the engine (recoverable for the caller:
     the episode may retry; the daemon keeps running)."""
+
+
+def cache_salt(label: str) -> str:
+    """The prefix-cache salt of requests run under the weights ``label``
+    names: ``rlnode-{trainer incarnation}-v{version}`` for pushed weights,
+    ``rlnode-v{version}`` for the initial ones (no trainer named them)."""
+    parsed = parse_weights_label(label)
+    if parsed is None:  # not a weights label (a caller's own): itself
+        return f"rlnode-{label}"
+    version, source = parsed
+    return f"rlnode-{source}-v{version}" if source else f"rlnode-v{version}"
 
 
 def resolve_device(device: str) -> str:
@@ -403,10 +415,11 @@ class Engine:
         self.failed_in_a_row = 0
         self.last_error = ""
         self.generated_tokens = 0
-        # The policy version the engine's weights hold (set by the weight
+        # The name of the weights it holds (wire.weights_label: version and
+        # the trainer incarnation that pushed them; set by the weight
         # receiver once a load has finished). It salts the prefix cache: see
-        # ``generate``.
-        self.weight_version = "0"
+        # ``generate``. Before any push: the model on disk, INITIAL_WEIGHTS.
+        self.weight_version = INITIAL_WEIGHTS
         # Per-request version spans, where vLLM does not report them.
         self._spans: vllm_compat.VersionSpans | None = None
         # UUIDs of the GPUs its processes see (set by start; () on CPU): the
@@ -471,9 +484,10 @@ class Engine:
                  model=self.model_cfg.path, start_s=round(time.monotonic() - t0, 2))
 
     async def set_weight_version(self, version: str) -> None:
-        """The weights now hold ``version``: tokens produced from here on
-        are tagged with it and new requests get its cache salt. Call only
-        while generation is paused with mode="keep" (the weight receiver)."""
+        """The weights are now the ones ``version`` names (a
+        ``weights_label``): tokens produced from here on are tagged with it
+        and new requests get its cache salt. Call only while generation is
+        paused with mode="keep" (the weight receiver)."""
         await vllm_compat.set_weight_version(self.llm, version, self._spans)
         self.weight_version = version
 
@@ -524,11 +538,13 @@ class Engine:
         # After an update a new request must not reuse them (its logprobs
         # would mix two policies; the demo's logprob_diff_mean grew to 1.4
         # nats that way), while requests kept in flight across the update
-        # keep theirs. A per-version cache salt does both: it is part of the
+        # keep theirs. A per-weights cache salt does both: it is part of the
         # first block's hash, so new requests only match blocks computed
         # under the weights they run with, and stale blocks age out by LRU.
         # (reset_prefix_cache cannot: it fails while requests hold blocks.)
-        prompt = vllm_compat.prompt(prompt_token_ids, f"rlnode-v{self.weight_version}")
+        # The salt names the trainer incarnation too: a trainer resumed from
+        # its v100 checkpoint makes a v101 unlike the lost one (cache_salt).
+        prompt = vllm_compat.prompt(prompt_token_ids, cache_salt(self.weight_version))
         final = None
         spans = self._spans
         if spans is not None:

@@ -52,6 +52,7 @@ from rlnode.weights.plan import (
     WeightUpdateError,
     WeightUpdatePlan,
     encode,
+    weights_label,
 )
 from rlnode.weights.worker import EXTENSION
 
@@ -313,12 +314,15 @@ async def apply_weight_update(engine: Engine, plan: WeightUpdatePlan, timeout_s:
                               overlap_transfer: bool | None = None, source: str = "") -> UpdateTimings:
     """Receive ``plan``'s broadcast (the trainer sends it concurrently) and
     load it. Requests in flight are kept; tokens after the load are tagged
-    ``str(plan.version)`` in ``Completion.weight_versions``.
+    ``weights_label(plan.version, source)`` in ``Completion.weight_versions``,
+    and new requests get it as their prefix-cache salt.
 
-    source: who sends it (the trainer's incarnation). A plan older than the
-    version the engine holds from the same source is refused (PlanMismatch;
-    voted down before any bytes flow). A different source may go back: a
-    restarted trainer resumes from its last checkpoint.
+    source: who sends it (the trainer's incarnation): ``plan.source`` when
+    the plan names one, else this argument (a trainer that predates it). A
+    plan older than the version the engine holds from the same source is
+    refused (PlanMismatch; voted down before any bytes flow). A different
+    source may go back: a restarted trainer resumes from its last
+    checkpoint, and its versions name other weights than the lost ones.
 
     overlap_transfer: True receives while the engine keeps generating;
     False pauses first, so the transfer counts as stall too (for NCCL with
@@ -330,6 +334,8 @@ async def apply_weight_update(engine: Engine, plan: WeightUpdatePlan, timeout_s:
     (nothing loaded, epoch unusable) or LoadError (the engine stays paused
     and must restart)."""
     plan.validate()
+    source = plan.source or source
+    label = weights_label(plan.version, source)
     if overlap_transfer is None:
         overlap_transfer = receives_while_generating(engine)
     held = _weights(engine)
@@ -345,10 +351,10 @@ async def apply_weight_update(engine: Engine, plan: WeightUpdatePlan, timeout_s:
             if overlap_transfer:
                 split = await _receive(engine, plan, timeout_s, refuse)
                 received_s = time.monotonic() - t0
-                phases = await _pause_load_resume(engine, plan.version)
+                phases = await _pause_load_resume(engine, plan.version, label)
                 phases["receive_s"] = received_s
             else:
-                phases = await _pause_load_resume(engine, plan.version,
+                phases = await _pause_load_resume(engine, plan.version, label,
                                                   lambda: _receive(engine, plan, timeout_s, refuse, split))
         except Exception as e:
             log.warning("weights.update_failed", engine=engine.engine_id, version=plan.version,
@@ -358,7 +364,7 @@ async def apply_weight_update(engine: Engine, plan: WeightUpdatePlan, timeout_s:
         timings = UpdateTimings(plan.version, plan.epoch, plan.nbytes, total_s=time.monotonic() - t0, **phases,
                                 receive_paused=not overlap_transfer,
                                 **{f"receive_{k}": v for k, v in split.items()})
-    log.info("weights.updated", engine=engine.engine_id,
+    log.info("weights.updated", engine=engine.engine_id, label=label,
              **{k: round(v, 4) if isinstance(v, float) else v for k, v in msgspec.structs.asdict(timings).items()})
     return timings
 
@@ -392,8 +398,8 @@ async def _discard(engine: Engine) -> None:
         log.warning("weights.discard_failed", engine=engine.engine_id, error=repr(e))
 
 
-async def _pause_load_resume(engine: Engine, version: int, receive=None) -> dict:
-    """pause(keep) -> [receive] -> load -> tag the version -> resume; the
+async def _pause_load_resume(engine: Engine, version: int, label: str, receive=None) -> dict:
+    """pause(keep) -> [receive] -> load -> tag the weights' ``label`` -> resume; the
     resume runs whatever happened after the pause was requested, except a
     failed load: a half-loaded engine must not serve, so it stays paused
     (its requests wait, and are aborted when the daemon stops it)."""
@@ -415,7 +421,7 @@ async def _pause_load_resume(engine: Engine, version: int, receive=None) -> dict
             raise err from e
         # Tokens from here on are produced by the new weights; requests
         # submitted from here on get the new prefix-cache salt.
-        await engine.set_weight_version(str(version))
+        await engine.set_weight_version(label)
     finally:
         t3 = time.monotonic()
         if not _weights(engine).failed:

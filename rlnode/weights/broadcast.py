@@ -195,8 +195,13 @@ class WeightBroadcaster:
     """Rank 0: plans and broadcasts weight updates to every engine worker."""
 
     def __init__(self, cfg: WeightSyncConfig, *, master_host: str, device: str = "cpu",
-                 timeout_s: float = 300.0, send_dtype: str | None = None, gpu_uuid: str | None = None):
+                 timeout_s: float = 300.0, send_dtype: str | None = None, gpu_uuid: str | None = None,
+                 source: str = ""):
         self.cfg = cfg
+        # Stamped on every plan (WeightUpdatePlan.source): the trainer's
+        # incarnation, so the engines name the weights by it as well as by
+        # their version.
+        self.source = source
         self.master_host = cfg.master_host or master_host
         self.device = device
         # The configured transport; "auto" is decided per epoch (new_epoch),
@@ -345,7 +350,7 @@ class WeightBroadcaster:
             raise TransferError("no open group: new_epoch() + open_group() first")
         metas = [(n, self.send_dtype or dtype_name(t.dtype), tuple(t.shape)) for n, t in tensors]
         buckets = plan_buckets(metas, self.cfg.bucket_mb << 20)
-        plan = WeightUpdatePlan(version, self.spec.epoch, buckets, self.spec.backend)
+        plan = WeightUpdatePlan(version, self.spec.epoch, buckets, self.spec.backend, source=self.source)
         plan.validate()
         return plan
 

@@ -9,6 +9,8 @@ Owns:
     decodes a plan with one typed decoder and rejects anything malformed;
   * the bucket layout (byte offsets inside one flat ``uint8`` buffer per
     bucket) and the pack/unpack helpers for it;
+  * the names of weights (``weights_label``: version + trainer incarnation),
+    which engines tag tokens and salt their prefix cache with;
   (``WeightComm``, the transport that moves these bytes, is in
   ``weight_comm``: it needs the rendezvous and IPC modules, which need this
   one.)
@@ -43,6 +45,43 @@ DTYPE_BYTES: dict[str, int] = {
 # unpacking is a zero-copy ``view(dtype)`` (which needs aligned offsets) and
 # device kernels see aligned data.
 ALIGN_BYTES = 64
+
+
+# --------------------------------------------------------------------------
+# Names of weights.
+
+
+def weights_label(version: int, source: str = "") -> str:
+    """The name of the weights an engine holds: ``"{version}@{source}"``,
+    ``source`` being the trainer incarnation that pushed them, or
+    ``"{version}"`` for weights no trainer pushed (``INITIAL_WEIGHTS``, the
+    model on disk). A version number alone is not a name: a trainer resumed
+    from its v100 checkpoint makes a v101 unlike the one its killed
+    predecessor made. The engine tags tokens with it (``weight_versions``
+    spans) and salts its prefix cache with it."""
+    return f"{version}@{source}" if source else str(version)
+
+
+# What an engine holds before any push: the model on disk, version 0 of
+# every trainer incarnation (a fresh trainer starts from the same files).
+INITIAL_WEIGHTS = weights_label(0)
+_SOURCE_CHARS = frozenset("0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+
+
+def parse_weights_label(label: str) -> tuple[int, str] | None:
+    """(version, source) of a ``weights_label`` (source "" for a bare
+    version: the initial weights, or an actor that predates sources), or
+    None for a label that names no weights (vLLM's "default", a malformed
+    one). At most 18 digits are parsed: int() refuses a hostile label of
+    more than 4,300 digits with an exception; a source is 1-64 letters and
+    digits, like the incarnations that fill it. (ASCII digits only: "²"
+    is a digit to str.isdigit and an error to int().)"""
+    number, at, source = label.partition("@")
+    if len(number) > 18 or not (number.isascii() and number.lstrip("-").isdigit()):
+        return None
+    if at and not (0 < len(source) <= 64 and _SOURCE_CHARS.issuperset(source)):
+        return None
+    return int(number), source
 
 
 class WeightUpdateError(RuntimeError):
@@ -96,6 +135,16 @@ class WeightUpdatePlan(msgspec.Struct, frozen=True):
     epoch: int  # group epoch the broadcast runs on
     buckets: tuple[Bucket, ...]
     backend: Backend
+    # The sending trainer's incarnation (TrainerLink.incarnation, random per
+    # start, resume included): with ``version`` it names the weights
+    # (``label``). "" = a trainer that predates it (the actor then takes
+    # the incarnation its link was welcomed by).
+    source: str = ""
+
+    @property
+    def label(self) -> str:
+        """The name the engines give these weights (``weights_label``)."""
+        return weights_label(self.version, self.source)
 
     @property
     def nbytes(self) -> int:
@@ -123,6 +172,8 @@ class WeightUpdatePlan(msgspec.Struct, frozen=True):
         """Check internal consistency (not the fit to a model)."""
         if self.version < 0 or self.epoch < 0:
             raise PlanMismatch(f"plan: negative version/epoch {self.version}/{self.epoch}")
+        if parse_weights_label(self.label) is None:
+            raise PlanMismatch(f"plan: source {self.source[:80]!r} is not 1-64 letters and digits")
         seen: set[str] = set()
         for i, b in enumerate(self.buckets):
             end = 0

@@ -48,7 +48,10 @@ class JoinEpoch(_Weights, tag="join"):
 
 class LoadWeights(_Weights, tag="load"):
     """trainer -> actor: the next update. The engines pause (keeping their
-    requests), receive ``plan``'s buckets, load them, and resume."""
+    requests), receive ``plan``'s buckets, load them, and resume. From then
+    on they tag tokens with ``plan.label`` (version @ the trainer's
+    incarnation) and salt their prefix cache with it: a resumed trainer's
+    v101 never shares a name, or a cached block, with a lost v101."""
 
     plan: WeightUpdatePlan
 
