@@ -2,13 +2,20 @@
 trains on.
 
 Owns: which groups the next optimizer step uses (oldest first), dropping
-samples that are too stale (policy version older than ``max_lag``), skipping
-groups without signal (every episode got the same reward), and the counters
-for each of those drops. Holds no model and no sockets.
+samples that are too stale (policy version older than ``max_lag``, or
+weights this trainer does not descend from), skipping groups without signal
+(every episode got the same reward), and the counters for each of those
+drops. Holds no model and no sockets.
 
 A sample's *lag* is ``trainer version - sample.policy_version``: how many
 updates happened between the policy that generated it and the one it is
-trained into.
+trained into. A version number names weights only within one trainer
+incarnation's ``Lineage``: a trainer killed at v103 and resumed from its
+v100 checkpoint makes a v101 unlike the lost one, and a sample of the lost
+v101..v103 would look fresh by number (lag <= 0). Its tokens' labels
+(``wire.weights_label``: version @ incarnation) say whose weights made
+them; a sample with any token from weights off this trainer's lineage is
+*foreign*, dropped like a too-old one and counted apart.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ import torch
 
 from rlnode.config import AdvantageConfig
 from rlnode.trainer.loss import equal_reward_groups, group_advantages, zero_signal_groups
-from rlnode.wire import GroupDelivery, TrainingSample, span_version
+from rlnode.wire import GroupDelivery, TrainingSample, parse_weights_label, span_version
 
 
 @dataclass
@@ -39,7 +46,8 @@ class Batch:
     # version of the weights that produced that token (token_versions).
     token_lags: list[np.ndarray] = field(default_factory=list)
     version: int = 0  # the trainer version the lags are counted from
-    dropped_stale: int = 0
+    dropped_stale: int = 0  # samples older than max_lag
+    dropped_foreign: int = 0  # samples with tokens from weights off the trainer's lineage
     # Groups whose episodes all got one reward (trained under
     # advantage.zero_signal_baseline = "step", else skipped or kept for
     # the entropy term), and groups in which every episode failed / every
@@ -68,7 +76,46 @@ class BufferCounters:
     groups_trained: int = 0
     groups_zero_signal: int = 0
     samples_dropped_stale: int = 0
-    groups_dropped_stale: int = 0
+    groups_dropped_stale: int = 0  # groups with no sample left (too old or foreign)
+    # Samples made (in part) by weights of another trainer incarnation that
+    # this trainer does not descend from: a lost branch after a resume.
+    samples_dropped_foreign: int = 0
+
+
+class Lineage:
+    """The weights a trainer's versions descend from, by name
+    (``wire.weights_label``): every version of its own incarnation, and of
+    each earlier incarnation the versions up to the one its checkpoint
+    inherited. The initial weights (no source: the model on disk, every
+    trainer's v0) and labels of actors that predate sources are judged by
+    their version alone. Without an own incarnation (a buffer outside a
+    trainer daemon) nothing is foreign."""
+
+    def __init__(self, own: str = "", inherited: dict[str, int] | None = None) -> None:
+        self.own = own  # this trainer's incarnation (TrainerLink.incarnation)
+        # Earlier incarnations -> the newest of their versions in this
+        # trainer's history: what its checkpoint recorded ({} when fresh).
+        self.inherited: dict[str, int] = dict(inherited or {})
+
+    def at(self, version: int) -> dict[str, int]:
+        """What a checkpoint at ``version`` records: the ``inherited`` of
+        the trainer that resumes from it."""
+        return {**self.inherited, **({self.own: version} if self.own else {})}
+
+    def on_lineage(self, version: int, source: str) -> bool:
+        """Whether the weights ``weights_label(version, source)`` names are
+        ones this trainer had (or, for no source, judged by version alone)."""
+        if not self.own or not source or source == self.own:
+            return True
+        return version <= self.inherited.get(source, -1)
+
+    def foreign(self, s: TrainingSample) -> bool:
+        """Whether any of ``s``'s tokens came from weights off the lineage."""
+        for label, _start, _end in s.weight_versions:
+            parsed = parse_weights_label(label)
+            if parsed is not None and not self.on_lineage(*parsed):
+                return True
+        return False
 
 
 class GroupBuffer:
@@ -78,6 +125,9 @@ class GroupBuffer:
         self.max_lag = max_lag
         self.adv_cfg = adv_cfg
         self.keep_zero_signal = keep_zero_signal
+        # Set by the trainer daemon at start (its incarnation, and what its
+        # checkpoint inherited); saved with every checkpoint (``at``).
+        self.lineage = Lineage()
         self._groups: collections.deque[GroupDelivery] = collections.deque()
         self._ids: set[str] = set()
         self._changed = asyncio.Event()
@@ -110,13 +160,15 @@ class GroupBuffer:
         groups = [self._groups.popleft() for _ in range(min(self.groups_per_step, len(self._groups)))]
         for g in groups:
             self._ids.discard(g.group_id)
-        return build_batch(groups, version, self.max_lag, self.adv_cfg, self.counters, self.keep_zero_signal)
+        return build_batch(groups, version, self.max_lag, self.adv_cfg, self.counters, self.keep_zero_signal,
+                           self.lineage)
 
 
 def token_versions(s: TrainingSample) -> np.ndarray:
     """The policy version of the weights that produced each completion
-    token (int64 [n]). The engine labels its spans with str(version) (vLLM's
-    CompletionOutput.weight_versions, or the engine wrapper's own tracking);
+    token (int64 [n]). The engine labels its spans with ``weights_label``
+    (vLLM's CompletionOutput.weight_versions, or the engine wrapper's own
+    tracking; whose weights they were is ``Lineage.foreign``'s business);
     a token outside every span, or under a label that is no version, takes
     the version its call started at, the oldest it can be."""
     n = len(s.completion_ids) // 4
@@ -128,11 +180,14 @@ def token_versions(s: TrainingSample) -> np.ndarray:
 
 
 def build_batch(groups: list[GroupDelivery], version: int, max_lag: int, adv_cfg: AdvantageConfig,
-                counters: BufferCounters, keep_zero_signal: bool = False) -> Batch:
+                counters: BufferCounters, keep_zero_signal: bool = False, lineage: Lineage | None = None) -> Batch:
     """``keep_zero_signal``: train on the samples of groups whose advantages
     are all 0 too (only an entropy or KL term acts on them). A group whose
     rewards are all equal is counted as zero-signal whatever its advantage
-    (advantage.zero_signal_baseline = "step" gives it one)."""
+    (advantage.zero_signal_baseline = "step" gives it one). ``lineage``:
+    samples with tokens of weights off it are dropped as foreign (none
+    given: nothing is foreign)."""
+    lineage = lineage or Lineage()
     batch = Batch([], [], [g.group_id for g in groups], [], [], [], version=version)
     if not groups:
         return batch
@@ -152,7 +207,7 @@ def build_batch(groups: list[GroupDelivery], version: int, max_lag: int, adv_cfg
             batch.zero_signal_groups += 1
             counters.groups_zero_signal += 1
         if silent[gi] and not keep_zero_signal:
-            fresh = [s for s in g.samples if version - s.policy_version <= max_lag]
+            fresh = [s for s in g.samples if version - s.policy_version <= max_lag and not lineage.foreign(s)]
             batch.norm_samples += len(fresh)
             batch.norm_tokens += sum(int(s.completion_mask.sum()) for s in fresh)
             continue
@@ -163,6 +218,10 @@ def build_batch(groups: list[GroupDelivery], version: int, max_lag: int, adv_cfg
             if lag > max_lag:
                 batch.dropped_stale += 1
                 counters.samples_dropped_stale += 1
+                continue
+            if lineage.foreign(s):  # a lag <= 0 proves nothing: its version names other weights
+                batch.dropped_foreign += 1
+                counters.samples_dropped_foreign += 1
                 continue
             batch.samples.append(s)
             batch.advantages.append(by_episode[s.episode_id])

@@ -104,10 +104,13 @@ class TrainerDaemon:
         # a duplicate (it is already in the buffer).
         self.link.load_consumed(consumed, restored_ids)
         self.link.hold_credits(g.group_id for g in self.buffer.snapshot())  # restored: they count
+        # Weights are named by version @ this incarnation (wire.weights_label):
+        # samples of weights off this lineage (a lost branch) are foreign.
+        self.buffer.lineage.own = self.link.incarnation
         await self.link.start()
         master = t.weights.master_host or resolve_advertise_host(self.cfg)
         broadcaster = WeightBroadcaster(t.weights, master_host=master, device=str(self.learner.device),
-                                        timeout_s=t.weights.timeout_s)
+                                        timeout_s=t.weights.timeout_s, source=self.link.incarnation)
         self.pusher = WeightPusher(self.link, broadcaster, self.learner.model, WeightGuard(self.version),
                                    request_timeout_s=t.weights.timeout_s + 30, max_failures=t.weights.max_failures,
                                    ranks=self.ranks, bench_after=t.weights.bench_after)
@@ -124,6 +127,8 @@ class TrainerDaemon:
             return [], []
         state = await asyncio.to_thread(self.checkpoints.load, path, *self._state_views())
         self.version, self.step = state["version"], state["step"]
+        # Whose versions this checkpoint's weights descend from ({} in older ones).
+        self.buffer.lineage.inherited = dict(state.get("weights_lineage") or {})
         if self.cfg.trainer.loss.entropy_target > 0:  # else the configured constant, whatever it was
             self.entropy_coef = max(self.cfg.trainer.loss.entropy_coef, state.get("entropy_coef", self.entropy_coef))
         restored = await asyncio.to_thread(self.checkpoints.load_buffer, path)
@@ -224,11 +229,12 @@ class TrainerDaemon:
         self.empty_batches += 1
         rec = {"no_step": True, "version": self.version, "time": time.time(), "group_ids": batch.group_ids,
                "groups": len(batch.group_ids), "dropped_stale": batch.dropped_stale,
+               "dropped_foreign": batch.dropped_foreign,
                "zero_signal_groups": batch.zero_signal_groups, "empty_batches_total": self.empty_batches}
         self.metrics.write(rec)
         log.warning("trainer.no_step", reason="no sample to train on", version=self.version,
                     groups=len(batch.group_ids), dropped_stale=batch.dropped_stale,
-                    zero_signal_groups=batch.zero_signal_groups)
+                    dropped_foreign=batch.dropped_foreign, zero_signal_groups=batch.zero_signal_groups)
 
     async def _wait_final_eval(self, stop: asyncio.Event) -> None:
         sched = self.cfg.actor.scheduler
@@ -287,6 +293,9 @@ class TrainerDaemon:
             "lag_mean": statistics.fmean(batch.lags) if batch.lags else 0.0,
             "lag_max": max(batch.lags, default=0),
             "dropped_stale": batch.dropped_stale, "zero_signal_groups": batch.zero_signal_groups,
+            # Samples of weights off this trainer's lineage (trainer/buffer.py),
+            # and the smallest lag trained: < 0 would be a lost branch's sample.
+            "dropped_foreign": batch.dropped_foreign, "lag_min": min(batch.lags, default=0),
             "groups_all_failed": batch.groups_all_failed, "groups_all_solved": batch.groups_all_solved,
             "loss": m.loss, "grad_norm": m.grad_norm, "lr": m.lr,
             "logprob_diff_mean": m.logprob_diff_mean, "logprob_diff_on_policy_max": m.on_policy_diff_max,
@@ -344,7 +353,8 @@ class TrainerDaemon:
         buffered = self.buffer.snapshot()
         path = await asyncio.to_thread(
             self.checkpoints.save, self.step, self.version, model, optimizer, scheduler,
-            self.cfg.model.path, consumed, {"run": self.cfg.run.name, "entropy_coef": self.entropy_coef}, buffered)
+            self.cfg.model.path, consumed, {"run": self.cfg.run.name, "entropy_coef": self.entropy_coef,
+                                            "weights_lineage": self.buffer.lineage.at(self.version)}, buffered)
         # Only now are these groups durable here (trained, or saved in the
         # checkpoint's buffer): their actors may forget them.
         self.link.mark_consumed(self.pending_commit + [g.group_id for g in buffered])
@@ -432,6 +442,11 @@ class TrainerDaemon:
             "buffered_groups": len(self.buffer), "max_steps": self.cfg.trainer.max_steps,
             "empty_batches": self.empty_batches, "waiting_for_engines": self.waiting_for_engines,
             "last_step": self.last_metrics,
+            # Samples dropped since start, by reason (too old; made by weights
+            # off this trainer's lineage, e.g. a lost branch after --resume).
+            "samples_dropped": {"stale": self.buffer.counters.samples_dropped_stale,
+                                "foreign": self.buffer.counters.samples_dropped_foreign},
+            "incarnation": self.link.incarnation if self.link else "",
             "peers": [{"peer": pid, "node_id": p.node_id, "connected": p.connected, "version": p.version,
                        "groups": p.groups, "last_seen": p.last_seen,
                        "benched": any(b["peer"] == pid for b in benched)} for pid, p in peers.items()],
@@ -463,6 +478,9 @@ class TrainerDaemon:
                ("rlnode_trainer_groups_received", "counter", "groups accepted", {}, b.groups_in),
                ("rlnode_trainer_samples_dropped_stale", "counter", "samples older than max_lag", {},
                 b.samples_dropped_stale),
+               ("rlnode_trainer_samples_dropped_foreign", "counter",
+                "samples made by weights off this trainer's lineage (another incarnation's lost versions)", {},
+                b.samples_dropped_foreign),
                ("rlnode_trainer_groups_zero_signal", "counter",
                 "groups whose episodes all got one reward (no signal against their own mean)", {},
                 b.groups_zero_signal)]
