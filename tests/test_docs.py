@@ -57,15 +57,29 @@ def test_readme_is_short():
 _LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 
+def _anchors(page: Path) -> set[str]:
+    """GitHub's heading anchors of a Markdown page, and explicit ids."""
+    text = page.read_text()
+    text = re.sub(r"```.*?```", "", text, flags=re.S)
+    out = set(re.findall(r'<a id="([^"]+)"', text))
+    for heading in re.findall(r"^#+ (.+)$", text, re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        out.add(slug)
+    return out
+
+
 def test_relative_links_resolve():
     broken = []
     for page in [ROOT / "README.md", ROOT / "examples" / "README.md", *DOCS.rglob("*.md")]:
         for target in _LINK.findall(page.read_text()):
-            if re.match(r"[a-z]+:", target) or target.startswith("#"):
+            if re.match(r"[a-z]+:", target):
                 continue
-            path = (page.parent / target.split("#", 1)[0]).resolve()
+            file, _, anchor = target.partition("#")
+            path = (page.parent / file).resolve() if file else page
             if not path.exists():
                 broken.append(f"{page.relative_to(ROOT)} -> {target}")
+            elif anchor and path.suffix == ".md" and anchor not in _anchors(path):
+                broken.append(f"{page.relative_to(ROOT)} -> {target} (no such heading)")
     assert broken == []
 
 
