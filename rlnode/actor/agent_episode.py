@@ -4,8 +4,10 @@ The counterpart of ``episode.run_episode`` for ``AgentTask``s: rlnode does
 not run the agent loop, the agent does (a user's OpenAI-SDK code, an Agents
 SDK agent, a verifiers environment). This coroutine resets the task, opens a
 gateway session (a base URL and key valid only while the episode runs),
-awaits the agent under the task's timeout, and turns the calls the gateway
-served into ``TrainingSample``s with the episode's reward.
+awaits the agent, and turns the calls the gateway served into
+``TrainingSample``s with the episode's reward. Reset, the agent's run,
+evaluate and close each run under the task's ``timeout_s``
+(``episode.cube_call``): past it the episode fails (retried, then counted).
 
 Reward (``AgentTask.reward_source``): by default the task's evaluator, and
 nothing the agent returns or posts counts (the policy writes the agent's
@@ -29,7 +31,9 @@ import asyncio
 import time
 from typing import Awaitable, Callable
 
-from rlnode.actor.episode import EpisodeResult, EpisodeSettings, check_reward, training_sample
+from rlnode.actor.episode import (
+    EpisodeResult, EpisodeSettings, check_reward, close_task, cube_call, training_sample,
+)
 from rlnode.actor.gateway import Gateway, GatewayHostLost, GatewaySession
 from rlnode.cubes.agent_workers import AgentWorkerError
 from rlnode.cubes.base import AgentTask, CubeError
@@ -69,12 +73,12 @@ async def run_agent_episode(
 ) -> EpisodeResult:
     t0 = time.monotonic()
     try:
-        reset = await task.reset()
+        reset = await cube_call(task, "reset", task.reset())
         async with gateway.session(episode_id, task, settings, policy_version) as s:
             returned = await _drive(task, s, task_payload(task, reset, episode_id, s.reward_key))
         return await _result(task, s, returned, episode_id, group_id, time.monotonic() - t0)
     finally:
-        await asyncio.shield(task.close())
+        await close_task(task)  # shielded: a cancelled episode still releases its task
 
 
 async def _contained(agent: Awaitable[float | None]) -> float | None:
@@ -124,7 +128,7 @@ async def _result(task: AgentTask, s: GatewaySession, returned: float | None, ep
     elif task.has_evaluator:
         if returned is not None:  # reward_source = "evaluator": not the agent's to decide
             s.gateway.stats.agent_rewards_ignored += 1
-        ev = await task.evaluate()
+        ev = await cube_call(task, "evaluate", task.evaluate())
         reward, success, source = ev.reward, ev.success, f"cube {task.ref.cube_id!r}'s evaluator"
     else:
         raise AgentFailed("no reward: the agent returned none, posted none, and the task has no evaluator")

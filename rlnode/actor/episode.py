@@ -12,6 +12,12 @@ Nothing the engine produced is ever decoded and re-encoded into a prompt
 Stops at the cube's ``done``, at ``max_turns`` LLM calls, or when the context
 has no room left for a completion (``min_completion_tokens``).
 
+Deadlines: every call into the task (reset, each step, evaluate, close)
+runs under the task's ``timeout_s`` (``cube_call``); one past it is
+cancelled and fails the episode as a ``CubeTimeout``, which the scheduler
+retries and then counts like any cube failure. LLM calls are outside it
+(max_tokens bounds them, not the cube).
+
 Must not decide how many episodes run or retry them (the scheduler's job);
 failures of the cube or engine propagate as exceptions. The task is closed
 exactly once, also on error and cancellation.
@@ -24,7 +30,7 @@ import hashlib
 import math
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable, TypeVar
 
 import msgspec
 
@@ -38,6 +44,7 @@ from rlnode.log import get_logger
 from rlnode.wire import TrainingSample, pack_f32, pack_i32
 
 log = get_logger("rlnode.actor")
+T = TypeVar("T")
 
 TEMPLATE_WITH_TOOLS = "conf/templates/chatml-tools.jinja"
 
@@ -195,10 +202,43 @@ async def _first_task_tools(cube: Cube) -> list[ToolSpec]:
         return []
     task = await cube.open_task(ids[0])
     try:
-        await task.reset()
+        await cube_call(task, "reset", task.reset())
         return task.tools()
     finally:
-        await task.close()
+        await close_task(task)
+
+
+class CubeTimeout(CubeError):
+    """A call into a cube task ran past the task's ``timeout_s``."""
+
+
+async def cube_call(task: CubeTask, what: str, call: Awaitable[T]) -> T:
+    """``await call`` (``what`` of ``task``: reset, step, evaluate, an
+    agent's run) under the task's ``timeout_s``; past it the call is
+    cancelled and CubeTimeout is raised. A TimeoutError the cube raises
+    itself stays what it is."""
+    try:
+        async with asyncio.timeout(task.timeout_s) as deadline:
+            return await call
+    except TimeoutError:
+        if not deadline.expired():
+            raise
+        raise CubeTimeout(f"cube {task.ref.cube_id!r}: {what} of task {task.ref.task_id!r} did not return within "
+                          f"timeout_s = {task.timeout_s:g} s") from None
+
+
+async def close_task(task: CubeTask) -> None:
+    """``task.close()`` to its end, shielded from the episode's cancellation,
+    and under the task's ``timeout_s``: a close that hangs is logged and left
+    (the episode's result stands; its slot must not be held forever)."""
+    await asyncio.shield(_close(task))
+
+
+async def _close(task: CubeTask) -> None:
+    try:
+        await cube_call(task, "close", task.close())
+    except CubeTimeout as e:  # logged here: a cancelled episode no longer awaits its close
+        log.error("episode.close_timeout", cube=task.ref.cube_id, task=task.ref.task_id, error=str(e))
 
 
 class EpisodeResult(msgspec.Struct):
@@ -275,12 +315,11 @@ async def run_episode(
     try:
         return await _play(client, renderer, task, settings, episode_id, group_id, policy_version, t0)
     finally:
-        # Shielded: a cancelled episode still releases its cube task.
-        await asyncio.shield(task.close())
+        await close_task(task)  # shielded: a cancelled episode still releases its cube task
 
 
 async def _play(client, renderer, task, settings, episode_id, group_id, policy_version, t0) -> EpisodeResult:
-    reset = await task.reset()
+    reset = await cube_call(task, "reset", task.reset())
     tools = task.tools()
     prompt = renderer.first_prompt(reset.system, reset.observation, tools)
     pending: list[dict[str, Any]] = []
@@ -300,13 +339,13 @@ async def _play(client, renderer, task, settings, episode_id, group_id, policy_v
         pending.append(dict(step_index=turn, prompt=prompt, completion=c, lease=gen.lease, version=version))
         action = parse_action(renderer.completion_text(c.token_ids, c.finish_reason), renderer.parser, tools,
                               c.token_ids, prompt)
-        result = await task.step(action)
+        result = await cube_call(task, f"step {turn}", task.step(action))
         agent_errors += result.error is not None
         if result.done:
             reason = "done"
             break
         prompt = prompt + c.token_ids + renderer.next_message(c.token_ids, result.role, result.observation)
-    evaluation = await task.evaluate()
+    evaluation = await cube_call(task, "evaluate", task.evaluate())
     reward = check_reward(evaluation.reward, f"cube {task.ref.cube_id!r}'s evaluator", settings.max_abs_reward)
     samples = [_sample(p, task, settings, episode_id, group_id, reward, reason, len(pending))
                for p in pending]

@@ -20,6 +20,9 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import contextlib
+import contextvars
+import threading
 from typing import Any, Callable, Literal, TypeVar
 
 import msgspec
@@ -96,6 +99,12 @@ class CubeTask(abc.ABC):
     """One episode's environment. Used by one coroutine at a time."""
 
     ref: CubeTaskRef
+    # Seconds each call the actor makes into the task may take: reset, each
+    # step, evaluate, close (an AgentTask: also the agent's whole run). Past
+    # it the call is cancelled and the episode fails (retried, then counted):
+    # a call that never returns would hold its group and its credit forever.
+    # A cube sets it per task, e.g. from its options.
+    timeout_s: float = 600.0
 
     @abc.abstractmethod
     async def reset(self) -> Reset: ...
@@ -154,7 +163,8 @@ class AgentTask(CubeTask):
     has_evaluator: bool = True
     has_environment: bool = True  # False: env/step answers 404 (no tools, no messages to the environment)
     reward_source: Literal["evaluator", "agent"] = "evaluator"
-    timeout_s: float = 600.0  # the whole episode, agent included
+    # The agent's whole run; reset and evaluate each have the same bound.
+    timeout_s: float = 600.0
 
     @abc.abstractmethod
     async def run_agent(self, endpoint: AgentEndpoint, task: dict[str, Any]) -> float | None:
@@ -194,5 +204,36 @@ class Cube(abc.ABC):
 
 
 async def run_blocking(fn: Callable[..., T], *args: Any) -> T:
-    """Run blocking cube code in a worker thread, off the event loop."""
-    return await asyncio.to_thread(fn, *args)
+    """Run blocking cube code in a thread of its own, off the event loop.
+
+    Not the loop's default executor: a call that never returns is left
+    behind when its deadline (``CubeTask.timeout_s``) cancels the await, and
+    six such calls would fill that executor (min(32, cores + 4) threads on
+    2 cores) and stall everything else that runs there. A daemon thread
+    per call holds only itself, and never holds up the process's exit."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[T] = loop.create_future()
+    ctx = contextvars.copy_context()
+
+    def work() -> None:
+        result, error = None, None
+        try:
+            result = ctx.run(fn, *args)
+        except (SystemExit, KeyboardInterrupt) as e:  # this call's failure, not the daemon's exit
+            error = CubeError(f"blocking cube code raised {e!r}")
+        except BaseException as e:
+            error = e
+        with contextlib.suppress(RuntimeError):  # the loop closed while this call ran
+            loop.call_soon_threadsafe(_settle, done, result, error)
+
+    threading.Thread(target=work, name="rlnode-cube-blocking", daemon=True).start()
+    return await done
+
+
+def _settle(fut: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if fut.done():  # the awaiting coroutine was cancelled (its deadline passed)
+        return
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(result)
