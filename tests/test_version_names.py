@@ -156,6 +156,8 @@ def test_plan_carries_its_source_and_plans_without_one_still_decode():
 
     old = decode_plan(msgspec.msgpack.encode(OldPlan(5, 2, msgspec.to_builtins(buckets), "gloo")))
     assert old.source == "" and old.label == "5"
+    # ... and an actor that predates it reads a new plan (it drops the field).
+    assert msgspec.msgpack.decode(encode(plan), type=OldPlan).version == 5
     # The digest both ends compare covers the byte layout only: a peer that
     # drops the appended field still agrees.
     assert old.digest() == plan.digest()
