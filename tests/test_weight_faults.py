@@ -389,3 +389,41 @@ def test_bench_after_is_validated():
     assert load_config(None).trainer.weights.bench_after == 2
     with pytest.raises(ConfigError, match=r"trainer\.weights\.bench_after"):
         load_config(None, ["trainer.weights.bench_after=0"])
+
+
+async def test_a_trainer_whose_actor_freezes_keeps_stepping_healthy(tiny_model_dir, tmp_path):
+    """The trainer daemon's own loop: with one of two actors frozen it
+    benches that one and keeps stepping past max_lag with the other,
+    /healthz stays green and its watchdog is not asked to restart it (a
+    restart cannot thaw an actor); /status names the benched actor. Before:
+    the loop held its step (waiting_for_engines) while every push failed,
+    and /healthz turned red after max_failures."""
+    from test_push_safety import _stale_group, _trainer_cfg, _trainer_running
+
+    cfg = _trainer_cfg(tiny_model_dir, tmp_path, "trainer.weights.timeout_s=3", "trainer.weights.max_failures=2",
+                       "actor.scheduler.max_lag=1", "trainer.weights.bench_after=2")
+    endpoint = f"tcp://127.0.0.1:{cfg.trainer.port}"
+    actors: list[GlooActor] = []
+    with keep_stdout():
+        async with _trainer_running(cfg) as (trainer, _run):
+            try:
+                for name in ("good", "frozen"):
+                    actors.append(GlooActor(endpoint, name, cfg.link))
+                    await actors[-1].start()
+                good, frozen = actors
+                await _eventually(lambda: good.version == frozen.version == 0, 60, "version 0 on both actors")
+                frozen.frozen = True
+                for step in range(4):  # four steps' worth, each fresh when it is trained
+                    v = trainer.version
+                    for i in range(2):
+                        trainer.buffer.put(_stale_group(f"s{step}g{i}", v))
+                    await _eventually(lambda: trainer.version > v, 120, f"step {step + 1}")
+                    ok, why = trainer.healthy()
+                    assert ok and not trainer.restart_would_help(), why
+                assert trainer.step == 4 and good.version >= 3 and frozen.version == 0
+                st = trainer.status()["weights"]
+                assert [b["node_id"] for b in st["benched"]] == ["frozen"] and st["benches"] == 1, st
+                assert [m.split("/")[0] for m in st["members"]] == ["good"], st
+            finally:
+                for a in actors:
+                    await a.close()

@@ -320,7 +320,8 @@ class WeightPusher:
             b.next_probe_at = time.monotonic() + PROBE_MIN_S
             return
         try:
-            reply = await self.link.request(pid, Probe(PROBE_TIMEOUT_S), timeout_s=PROBE_TIMEOUT_S + PROBE_REPLY_SLACK_S)
+            reply = await self.link.request(pid, Probe(PROBE_TIMEOUT_S),
+                                            timeout_s=PROBE_TIMEOUT_S + PROBE_REPLY_SLACK_S)
             error = "" if reply.ok else reply.error
         except (LinkError, TimeoutError) as e:
             error = repr(e)
