@@ -427,3 +427,19 @@ async def test_a_trainer_whose_actor_freezes_keeps_stepping_healthy(tiny_model_d
             finally:
                 for a in actors:
                     await a.close()
+
+
+def test_probe_travels_in_a_control_request_and_its_answer_back():
+    """Probe / ProbeAnswered are appended members of the weight unions: each
+    end's typed decoder reads them, and a failed probe's reply carries why."""
+    import msgspec
+
+    from rlnode.weights.protocol import Probe, ProbeAnswered
+    from rlnode.wire import ControlReply, ControlRequest, ToActor, ToTrainer
+
+    to_actor, to_trainer = msgspec.msgpack.Decoder(ToActor), msgspec.msgpack.Decoder(ToTrainer)
+    enc = msgspec.msgpack.Encoder()
+    assert to_actor.decode(enc.encode(ControlRequest(7, Probe(2.5)))) == ControlRequest(7, Probe(2.5))
+    reply = ControlReply(7, True, result=ProbeAnswered(2))
+    assert to_trainer.decode(enc.encode(reply)) == reply
+    assert to_trainer.decode(enc.encode(ControlReply(7, False, error="engine 0: no answer"))).error.startswith("engine 0")
