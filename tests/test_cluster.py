@@ -12,6 +12,8 @@ of engine starts on 2 cores):
     test_trainer_partition    2: the trainer cut off during a weight push
     test_actor_new_address    4: an actor restarts on a new address
     test_trainer_kill_resume  3: trainer kill -9, restart with --resume
+    test_engine_frozen        6: one actor's engine core frozen (SIGSTOP)
+                                 while its daemon heartbeats
 
 Each prints what it measured (time to detect, to recover, groups lost and
 duplicated). Groups are accounted for through the trainer's metrics.jsonl
@@ -20,8 +22,10 @@ duplicated). Groups are accounted for through the trainer's metrics.jsonl
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
-from datetime import datetime
+from datetime import datetime, timezone
 
 import pytest
 
@@ -423,3 +427,74 @@ def test_trainer_kill_resume(run):
     report("trainer_kill_resume", version_at_kill=v_kill, resumed_at=resumed_at, back_training_s=round(back, 1),
            resent_duplicates_dropped=link["duplicates"], groups_lost=lost_groups(run), groups_duplicated=len(dup))
     assert resumed_at <= v_kill and not dup and lost_groups(run) == 0
+
+
+def engine_cores(node) -> list[int]:
+    """Pids of the vLLM engine-core processes under ``node``'s daemon."""
+    import psutil
+
+    return [p.pid for p in psutil.Process(node.proc.pid).children(recursive=True) if "EngineCor" in p.name()]
+
+
+def benched(st) -> list[str]:
+    return [b["node_id"] for b in st["roles"]["trainer"]["weights"]["benched"]]
+
+
+def test_engine_frozen(run):
+    """6. a1's vLLM engine core frozen (SIGSTOP) while its daemon keeps
+    heartbeating: a1 is benched after trainer.weights.bench_after failed
+    weight conversations, the trainer keeps stepping with a2 within
+    max_lag and stays healthy (the failures are a1's, not its own); after
+    SIGCONT a probe is answered, a1 rejoins, catches up and contributes
+    again. No group is lost or trained twice. Before: every push failed
+    (a1's rank never joined), a2 got no weights either and the trainer
+    held its steps until SIGCONT."""
+    c, t = run.cluster, run.cluster.trainer
+    a1, a2 = c.nodes["a1"], c.nodes["a2"]
+    healthy_again(run)
+    cores = engine_cores(a1)
+    assert cores, "a1 runs no engine core"
+    t_freeze, frozen_at = time.monotonic(), datetime.now(timezone.utc)
+    for pid in cores:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        st = t.wait(lambda st: "a1" in benched(st) and st, 300, "the trainer to bench a1")
+        detect = time.monotonic() - t_freeze
+        assert peer_connected(st, "a1"), "a1's daemon heartbeats: still connected, only benched"
+        v_bench = trainer_version(st)
+        run.steps_after(v_bench, 3, 300, "training on with a2 while a1 is benched")
+        st = t.must_status()
+        w = st["roles"]["trainer"]["weights"]
+        assert benched(st) == ["a1"] and [m.split("/")[0] for m in w["members"]] == ["a2"], w
+        a2.wait(lambda s: actor_version(s) >= trainer_version(st) - MAX_LAG, 60, "a2 within max_lag")
+        # a1's failures are not the trainer's own: /healthz green, no reason for its watchdog.
+        assert t.healthy(), t.get("/healthz")
+        # Steps that began once a1 was out (the push that benched it may have been a step's).
+        while_benched = [r for r in steps_of(run.run_dir)
+                         if r["time"] > frozen_at.timestamp() and r["version"] > v_bench]
+        assert while_benched and all(r["weights_pushed"] and r["lag_max"] <= MAX_LAG for r in while_benched), \
+            [(r["weights_pushed"], r["lag_max"]) for r in while_benched]
+    finally:
+        for pid in cores:
+            os.kill(pid, signal.SIGCONT)
+    t_thaw = time.monotonic()
+    t.wait(lambda st: not benched(st) and st["roles"]["trainer"]["weights"]["readmissions"] > 0, 300,
+           "a1 to answer a probe and rejoin")
+    readmitted = time.monotonic() - t_thaw
+    v = run.version()
+    a1.wait(lambda st: actor_version(st) >= v, 300, "a1 to catch up")
+    caught_up = time.monotonic() - t_thaw
+    steps_back = len(steps_of(run.run_dir))
+    # Contributes again: a step trains a group of a1's with none of its
+    # samples dropped as stale (those it generated while frozen are).
+    poll(lambda: any(r["dropped_stale"] == 0 and any(g.startswith("a1-") for g in r["group_ids"])
+                     for r in steps_of(run.run_dir)[steps_back:]), 300, "a step that trains a group from a1")
+    epoch = t.events("weights.epoch")[-1]
+    assert len(epoch["peers"]) == 2, epoch
+    dup, lost = duplicated_groups(run.run_dir), lost_groups(run)
+    probes = [e for e in t.events("weights.probe_unanswered") if _when(e) > frozen_at]
+    failed = [e for e in t.events("weights.push_failed") if _when(e) > frozen_at]
+    report("engine_frozen", detect_s=round(detect, 1), steps_while_benched=len(while_benched),
+           probes_unanswered=len(probes), readmit_s=round(readmitted, 1), catch_up_s=round(caught_up, 1),
+           push_failures=len(failed), groups_lost=lost, groups_duplicated=len(dup))
+    assert not dup and lost == 0
