@@ -40,8 +40,13 @@ def _finish(proc: subprocess.Popen, run_dir, steps: int) -> list[dict]:
     records = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps_done = [x for x in records if "step" in x]
     assert len(steps_done) == steps
-    # Weight updates reached the engine every step.
-    assert all(x["weights_pushed"] for x in steps_done)
+    # Weight updates reached the engine every step from the first one that
+    # reached it (as in test_cluster::test_no_fault): the first step's push
+    # may time out while the engine is still joining the group on a loaded
+    # machine, and is retried with the next version.
+    pushed = [x["weights_pushed"] for x in steps_done]
+    first = pushed.index(True) if True in pushed else len(pushed)
+    assert first <= 1 and all(pushed[first:]), pushed
     assert (run_dir / "final" / "config.json").exists()
     return steps_done
 
@@ -63,18 +68,65 @@ def _on_policy(records: list[dict]) -> list[float]:
     return [x["logprob_diff_on_policy_max"] for x in records if x["logprob_diff_on_policy_max"] is not None]
 
 
+def reward_gain(rewards: list[float], window: int = 15) -> tuple[float, float]:
+    """(gain, se): the mean per-step reward of the last ``window`` steps
+    minus that of the first, and the standard error of that difference
+    from the steps' own spread in each window (Welch)."""
+    import statistics
+
+    first, last = rewards[:window], rewards[-window:]
+    gain = statistics.fmean(last) - statistics.fmean(first)
+    se = (statistics.variance(first) / window + statistics.variance(last) / window) ** 0.5
+    return gain, se
+
+
+# test_reward_goes_up's per-step rewards, measured (seed 0, 2 loaded cores).
+MEASURED = [-0.588, -0.544, -0.588, -0.588, -0.531, -0.594, -0.5, -0.575, -0.55, -0.525, -0.544, -0.525,
+            -0.594, -0.594, -0.494, -0.563, -0.513, -0.456, -0.525, -0.55, -0.5, -0.413, -0.431, -0.419,
+            -0.475, -0.331, -0.525, -0.531, -0.525, -0.444, -0.25, -0.319, -0.363, -0.244, -0.306, -0.225,
+            -0.338, -0.375, -0.219, -0.15, -0.056, 0.25, 0.106, -0.206, -0.256, -0.013, -0.156, 0.081, 0.312,
+            -0.019, -0.038, -0.219, 0.287, 0.106, -0.069, 0.163, -0.131, 0.181, 0.012, -0.063]
+
+
+def _passes(rewards: list[float]) -> bool:
+    gain, se = reward_gain(rewards)
+    return gain > max(0.05, 4 * se)
+
+
+def test_the_learning_margin_refuses_noise_and_takes_a_late_take_off():
+    """The margin test_reward_goes_up asks, on its measured run and on runs
+    that did not learn: no-learning runs (the first steps' spread, any
+    seed) fail, the measured run passes, as does it cut short by 20 steps
+    (its take-off 20 steps later)."""
+    import random
+
+    assert _passes(MEASURED) and _passes(MEASURED[:15] + MEASURED[15:40])
+    for seed in range(200):
+        rng = random.Random(seed)
+        assert not _passes([-0.55 + rng.gauss(0, 0.035) for _ in range(60)]), seed
+    assert not _passes(MEASURED[:15] * 4)  # the untrained steps, over and over
+
+
 def test_reward_goes_up(tmp_path):
     """The default, async pipeline (max_lag 1) learns in 60 steps of 4
     groups (the demo takes 8: half the generation per step, for CI's time).
-    Not fewer steps: at 45 the reward had risen by 0.058 (0.017 -> 0.075)
-    against the 0.05 asked, the policy only leaving its first answers at
-    step ~40."""
+
+    The margin. Each step's reward is the mean of 32 episodes (4 groups of
+    8). Measured (2 loaded cores, seed 0): the first 15 steps -0.555 (sd
+    0.035 per step: the policy's noise before it learns), the last 15
+    +0.029 (sd 0.157), a gain of 0.58 = 14 standard errors, the policy
+    leaving its first answers at step ~25-40. Asked: a gain above 0.05 in
+    reward units and above 4 standard errors of its own noise. A run that
+    does not learn has a difference of about 0 +- 0.013 (sd 0.035 per step
+    in both windows): it fails both (p < 1e-4); one whose take-off came 20
+    steps later still passes (this run cut 20 steps short: +0.21, se 0.032)."""
     # The demo's cosine decay is laid out over its 500 steps; over 60 it
     # would reach 0.1 x lr by the end, and this test was sized at constant lr.
     records = _run(tmp_path, sync=False, steps=60, groups_per_step=4)
     rewards = [x["reward_mean"] for x in records]
-    first, last = sum(rewards[:15]) / 15, sum(rewards[-15:]) / 15
-    assert last > first + 0.05, f"reward did not go up: first 15 steps {first:.3f}, last 15 {last:.3f}"
+    gain, se = reward_gain(rewards)
+    assert gain > max(0.05, 4 * se), (f"reward did not go up: first 15 steps -> last 15 {gain:+.3f} "
+                                      f"(standard error {se:.3f}): {[round(r, 3) for r in rewards]}")
     # Often only the first step is at lag 0 in async mode.
     on_policy = _on_policy(records)
     assert on_policy and max(on_policy) < 1e-3, on_policy

@@ -318,10 +318,21 @@ async def test_watchdog_pings_through_faults_a_restart_cannot_fix(tmp_path):
     def pings() -> int:
         return sum("WATCHDOG=1" in m for m in collector.msgs)
 
-    async def pings_in(seconds: float) -> int:
-        before = pings()
-        await asyncio.sleep(seconds)
-        return pings() - before
+    async def pings_between_marks(seconds: float) -> int:
+        """Pings *sent* in the next ``seconds``: between two marks this test
+        sends to the same socket (its queue keeps the order of sends), read
+        once the collector read the second; a ping sent earlier and read
+        late lies before the first mark, whenever the collector reads it."""
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as out:
+            out.sendto(b"TEST_MARK=start", str(tmp_path / "notify.sock"))
+            await asyncio.sleep(seconds)
+            out.sendto(b"TEST_MARK=end", str(tmp_path / "notify.sock"))
+        deadline = time.monotonic() + 30
+        while "TEST_MARK=end" not in collector.msgs and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        msgs = list(collector.msgs)
+        window = msgs[msgs.index("TEST_MARK=start"):msgs.index("TEST_MARK=end")]
+        return sum("WATCHDOG=1" in m for m in window)
 
     async def two_more_pings() -> bool:
         """Two more pings arrive (one every 0.1 s here). Waited for, not
@@ -338,8 +349,10 @@ async def test_watchdog_pings_through_faults_a_restart_cannot_fix(tmp_path):
         role.why, role.own = "trainer 10.0.0.1:5555 unreachable", False
         assert await two_more_pings()  # red, but not ours to fix
         role.own = True  # e.g. engines not serving
-        await asyncio.sleep(0.5)  # a ping already on its way, read late by the collector
-        assert await pings_in(0.6) == 0
+        # From here on the watchdog decides on this fault (it checks health
+        # before every ping, on this loop): in six of its intervals it sends
+        # nothing.
+        assert await pings_between_marks(0.6) == 0
     finally:
         await ops.close()
         collector.close()

@@ -552,7 +552,14 @@ def test_a_verifiers_environment_trains_end_to_end(vf, tmp_path):
     for x in step_records:
         # 2 whole groups of 4 episodes, each 1..3 LLM calls (one sample each).
         assert x["groups"] == 2 and x["dropped_stale"] == 0, x
-        assert 8 <= x["samples"] <= 24 and x["weights_pushed"], (x, pushes)
+        assert 8 <= x["samples"] <= 24, (x, pushes)
+    # Every push from the first one that reached the actor on (as in
+    # test_cluster::test_no_fault): the first step's may time out while the
+    # actor's engine is still joining the weight group on a loaded machine,
+    # and is retried with the next version.
+    pushed = [x["weights_pushed"] for x in step_records]
+    first = pushed.index(True) if True in pushed else len(pushed)
+    assert first <= 1 and all(pushed[first:]), (pushed, pushes)
     assert not [e for e in events if e.get("level") == "error"]
     # The actor's own count at shutdown: every episode played, none failed.
     (stopped,) = [e for e in events if e["event"] == "actor.stopped"]
