@@ -18,8 +18,10 @@ sockets other than the driver's notice socket.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -172,7 +174,10 @@ class WeightReceiverExtension:
     """Mixed into vLLM's worker class (``self`` is the worker: it has
     ``model_runner``, ``device``, ``vllm_config``). Every method returns
     plain data; nothing here blocks the engine loop for long except
-    ``rlnode_load``, which the driver calls while generation is paused."""
+    ``rlnode_load``, which the driver calls while generation is paused.
+    In particular no method waits for a collective: join and leave hand a
+    group with a job still in flight to a thread that closes it
+    (``_retire``)."""
 
     def _rlnode_state(self) -> _WorkerState:
         # The worker's __init__ is vLLM's; state is attached on first use.
@@ -209,7 +214,7 @@ class WeightReceiverExtension:
         if not 0 < rank < spec.world_size:
             raise PlanMismatch(f"rank {rank} outside group epoch {spec.epoch} (world {spec.world_size})")
         self.rlnode_leave()
-        state = self._rlnode_state()
+        state = self._rlnode_state()  # a fresh one: the old group's job may still be running on its own
         if state.checkpoint is None:
             state.checkpoint = checkpoint_shapes(self.vllm_config.model_config.model)
         device = self._rlnode_comm_device(spec.backend)
@@ -392,15 +397,48 @@ class WeightReceiverExtension:
         self._rlnode_state().staged = None
 
     def rlnode_leave(self) -> None:
-        """Close this worker's group. A transfer in flight is not cut
-        short: gloo's close waits for it to end or to reach the group's
-        timeout (measured: a receive waiting for a silent sender held close
-        for the whole 20 s timeout), so leave between updates."""
-        state = self._rlnode_state()
-        comm, state.comm, state.staged, state.epoch = state.comm, None, None, -1
-        state.staging = []
-        if comm is not None:
-            comm.close()
+        """Leave this worker's group: the worker starts over with a fresh
+        state (no group, no job, no staged bytes). The old group is closed
+        here when it has no job in flight, else on a thread of its own
+        (``_retire``): a job in flight cannot be cut short, gloo's close
+        waits for its collective to end or to reach the group's timeout
+        (measured: a receive waiting for a silent sender held close for the
+        whole 20 s timeout), and this call runs on the engine core, which
+        must not stop generating for that long. The old job's outcome goes
+        nowhere: it wrote only to the old state, and its notice carries the
+        old update's nonce, which the driver drops."""
+        old = self._rlnode_state()
+        self.__dict__["_rlnode_worker_state"] = _WorkerState(checkpoint=old.checkpoint)
+        if old.job is None or old.job.done():
+            _retire(old)
+            return
+        log.warning("weights.leave_in_background", job=old.job_kind, epoch=old.epoch)
+        threading.Thread(target=_retire, args=(old,), name="rlnode-weights-retire", daemon=True).start()
+
+
+def _retire(state: _WorkerState) -> None:
+    """Release what a left group's state holds: wait for its job (a
+    collective in flight ends by the group's timeout at the latest; a join
+    that completes meanwhile leaves its group here too), then close the
+    group, the job thread and the notice socket (the job thread, which
+    owned the socket, is done by then)."""
+    t0 = time.monotonic()
+    if state.job is not None:
+        wait_futures([state.job])
+    try:
+        if state.comm is not None:
+            state.comm.close()
+    except Exception as e:  # noqa: BLE001 - a broken group still goes; the worker keeps serving
+        log.warning("weights.close_failed", epoch=state.epoch, error=repr(e))
+    finally:
+        state.comm, state.staged, state.staging = None, None, []
+        state.pool.shutdown(wait=False)
+        if state.notify_sock is not None:
+            state.notify_sock.close(0)
+            state.notify_sock = None
+    if state.job is not None:
+        log.info("weights.group_retired", epoch=state.epoch, job=state.job_kind,
+                 waited_s=round(time.monotonic() - t0, 3))
 
 
 def _job_state(err: BaseException) -> str:
