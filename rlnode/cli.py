@@ -167,6 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--gateway-host", choices=("config", "inline", "process"), default="config",
                        help="gateway: where the gateway runs (actor.gateway_host): inline on the daemon's loop, "
                        "process in a gateway host process; config (default) takes the config's")
+    bench.add_argument("--gateway-hosts", type=int, default=0, metavar="N",
+                       help="gateway: host processes with --gateway-host process (actor.gateway_hosts; "
+                       "0, the default, takes the config's)")
     bench.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     return p
 

@@ -243,8 +243,15 @@ class ActorConfig(_Section):
     # off), never the ops endpoint's, and on the agents' socket; a host that
     # dies fails its open episodes (retried) and is restarted on the same
     # sockets. One host serves ~700-900 calls/s (1.1-1.5 ms of its CPU per
-    # call); the daemon's loop keeps ~0.4 ms per call.
+    # call); the daemon's loop keeps ~0.3-0.4 ms per call.
     gateway_host: Literal["inline", "process"] = "process"
+    # Gateway host processes (gateway_host = "process"), each on a port and
+    # an agents' socket of its own. An episode is served by the host with
+    # the fewest open episodes, and its URL names that host's port, so all
+    # its calls reach the host that holds its history. One host carries
+    # what one core can (~700-900 calls/s); a GPU node whose agents make
+    # more calls than that wants one host per such share, cores permitting.
+    gateway_hosts: Annotated[int, Meta(ge=1, le=64)] = 1
 
 
 class LossConfig(_Section):

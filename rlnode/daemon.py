@@ -16,6 +16,7 @@ import signal
 import sys
 from typing import Protocol
 
+from rlnode import aio
 from rlnode.config import Config, ConfigError, actor_node_id
 from rlnode.log import bind_context, get_logger
 
@@ -237,12 +238,6 @@ def _exposure_checked(cfg: Config, role: str) -> tuple[str, int, str] | None:
 def run_daemon(cfg: Config, role: str, resume: bool = False) -> int:
     bind_context(run=cfg.run.name, role=role, node=cfg.actor.node_id or os.uname().nodename)
     try:
-        import uvloop
-
-        runner = uvloop.run
-    except ImportError:  # pragma: no cover - uvloop is a dependency
-        runner = asyncio.run
-    try:
         agent_link_keys(cfg, role)
         http = _exposure_checked(cfg, role)
     except ValueError as e:
@@ -251,4 +246,4 @@ def run_daemon(cfg: Config, role: str, resume: bool = False) -> int:
     # No gc.freeze() before exit, though it would save seconds of final
     # collection on a busy host: frozen objects are never freed, and
     # triton's nanobind module then prints "leaked instances" at every exit.
-    return runner(Lifecycle(build_roles(cfg, role, resume), http=http).main())
+    return aio.run(Lifecycle(build_roles(cfg, role, resume), http=http).main())

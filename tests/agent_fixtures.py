@@ -297,3 +297,28 @@ def command_main(mode: str) -> int:
 
 if __name__ == "__main__":
     sys.exit(command_main(sys.argv[1]))
+
+
+class _RunsInTheDaemon:
+    """Unpickled, makes directory ``path``: proof that code sent by a
+    worker ran in the daemon."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return (os.makedirs, (self.path,))
+
+
+async def forge_frame(task, base_url, api_key):
+    """What a tool call in a function agent's worker could do: write to the
+    worker's own channel to the daemon (its descriptor is argv[1]) a frame
+    as a pickling channel (multiprocessing.connection) reads one: a 4-byte
+    length, then a pickle whose loading makes the task's ``marker``."""
+    import pickle
+    import struct
+
+    payload = pickle.dumps(_RunsInTheDaemon(task["info"]["marker"]))
+    os.write(int(sys.argv[1]), struct.pack("!i", len(payload)) + payload)
+    await asyncio.sleep(1)
+    return 0.25

@@ -175,3 +175,40 @@ async def test_a_worker_near_its_cpu_limit_retires_without_failing_an_episode(ga
         await asyncio.sleep(0.05)
     assert not worker.alive() and worker not in cube.workers.workers
     assert (cube.workers.retired, cube.workers.restarts) == (1, 0)
+
+
+async def test_a_worker_cannot_run_code_in_the_daemon(gateway, tmp_path):
+    """The worker's channel is the daemon's too: a frame the agent forges
+    there (a pickle that would run code when loaded) is refused as a broken
+    frame, the worker is dropped and its episode fails; nothing ran in the
+    daemon."""
+    marker = tmp_path / "ran-in-the-daemon"
+    path = tmp_path / "tasks.jsonl"
+    path.write_text("\n".join(json.dumps({"id": f"t{i}", "prompt": "p", "marker": str(marker)}) for i in range(20)))
+    cube = await started({"agent": f"{FIXTURES}:forge_frame", "tasks": str(path)})
+    with pytest.raises(CubeError) as e:
+        await play(gateway, cube)
+    assert not marker.exists()
+    assert "does not decode" in str(e.value) and cube.workers.restarts == 1, (str(e.value), cube.workers.restarts)
+
+
+async def test_a_function_agents_worker_reaches_every_gateway_host(engine, router, tiny_model_dir, tmp_path):
+    """actor.gateway_hosts = 2: a worker relays to each host (a port each
+    inside its sandbox; an episode's URL names its host's), so episodes
+    served by either host score. The worker started before the gateway
+    served is replaced by one with both relays, not counted as lost."""
+    from rlnode.actor.gateway import HostedGateway
+    from rlnode.actor.generation import LLMClient
+    from rlnode.config import ModelConfig
+    from test_agent_cube import SETTINGS
+
+    gw = HostedGateway(LLMClient([engine], router), ModelConfig(path=str(tiny_model_dir)), SETTINGS, hosts=2)
+    async with gw.serve():
+        cube = await started({"agent": f"{FIXTURES}:returns_reward", "tasks": tasks_file(tmp_path)})
+        outcomes = await asyncio.gather(*(play(gw, cube, f"g{i}/e0") for i in range(4)))
+        assert [r.reward for _, r in outcomes] == [0.25] * 4
+        (worker,) = cube.workers.workers
+        assert [r.upstream for r in worker.relays] == gw.agent_sockets
+        assert all(r.relayed > 0 for r in worker.relays), [r.relayed for r in worker.relays]
+        assert cube.workers.restarts == 0
+        await cube.close()

@@ -175,7 +175,7 @@ async def test_the_daemon_checks_what_a_host_asks(hosted, tokenizer):
     gw, engine, _ = hosted
     seeded = msgspec.structs.replace(SETTINGS, seed=11)
     async with gw.session("ep-trust", settings=seeded) as s:
-        host, prompt = gw._host, tokenizer.encode("hello", add_special_tokens=False)
+        host, prompt = s.slot.host, tokenizer.encode("hello", add_special_tokens=False)
         gw._on_messages(host, [
             Generate(1001, s.token, 0, prompt, temperature=5.0, max_tokens=8),  # above actor.sampling.temperature
             Generate(1002, s.token, 0, list(prompt) * 1000, 1.0, 8),  # no room in the context
@@ -233,6 +233,58 @@ async def test_a_host_killed_mid_episode_fails_that_episode_and_is_replaced(host
     result = await run_agent_episode(gw, GuessTask(), SETTINGS, "ep-next", "g1")
     assert gw.host_pid not in (0, first) and gw.host_starts == 2 and (gw.url, gw.agent_socket) == (url, sock)
     assert result.reward == 1.0 and len(result.samples) == 1 and not gw.sessions
+
+
+async def test_several_hosts_share_the_episodes_and_a_lost_one_fails_only_its_own(tokenizer, tiny_model_dir):
+    """actor.gateway_hosts = 2: an episode goes to the host with the fewest
+    open episodes, and its URL and agent socket are that host's (the other
+    host does not know it); a host killed fails its own open episodes
+    alone, the other host's go on, and a new host takes its sockets."""
+    from urllib.parse import urlsplit
+
+    replies = [tokenizer.encode("4 it is", add_special_tokens=False)]
+    engine = HeldEngine(0, replies, space_id(tokenizer), tokenizer.eos_token_id)
+    await engine.start()
+    router = AdmissionRouter(1, 16)
+    gw = HostedGateway(LLMClient([engine], router), ModelConfig(path=str(tiny_model_dir)), SETTINGS,
+                       model_name="tiny", hosts=2)
+    async with gw.serve():
+        first = gw.host_pids
+        home = os.path.dirname(gw.agent_socket)
+        assert len(set(first)) == 2 and 0 not in first
+        async with gw.session("ep-a") as a, gw.session("ep-b") as b:
+            ea, eb = a.endpoint, b.endpoint
+            assert a.slot is not b.slot and ea.agent_socket != eb.agent_socket
+            assert urlsplit(ea.base_url).port != urlsplit(eb.base_url).port
+            assert ea.agent_sockets == eb.agent_sockets == gw.agent_sockets and len(gw.agent_sockets) == 2
+            ca, cb = client_for(a), client_for(b)
+            await ca.chat.completions.create(model="tiny", messages=USER)
+            await cb.chat.completions.create(model="tiny", messages=USER)
+            elsewhere = openai.AsyncOpenAI(
+                base_url=ea.base_url.replace(f":{urlsplit(ea.base_url).port}/", f":{urlsplit(eb.base_url).port}/"),
+                api_key=ea.api_key, max_retries=0)
+            with pytest.raises(openai.NotFoundError):
+                await elsewhere.chat.completions.create(model="tiny", messages=USER)
+            await elsewhere.close()
+            os.kill(a.slot.host.pid, signal.SIGKILL)
+            await until(lambda: a.lost.done())
+            assert not b.lost.done()
+            await cb.chat.completions.create(model="tiny", messages=USER)  # the other host serves on
+            await b.settle()
+            await ca.close(), await cb.close()
+        assert [c.step_index for c in b.calls] == [0, 1] and len(a.calls) == 1
+        await until(lambda: gw.host_starts == 3 and 0 not in gw.host_pids)
+        assert gw.host_pids[1 - a.slot.index] == first[1 - a.slot.index]
+        # Episodes go on, on both hosts' sockets as before.
+        results = await asyncio.gather(*(run_agent_episode(gw, GuessTask(), SETTINGS, f"ep-{i}", f"g{i}")
+                                         for i in range(4)))
+        assert [r.reward for r in results] == [1.0] * 4 and not gw.sessions
+        pids = gw.host_pids
+    assert router.in_flight == [0] and engine.waiting == 0
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    assert not os.path.exists(home)
 
 
 async def test_the_channel_batches_in_order_and_reports_a_broken_peer():

@@ -136,7 +136,8 @@ class ActorDaemon:
         self.renderer: ChatRenderer | None = None
         self.gateway: Gateway | HostedGateway
         if cfg.actor.gateway_host == "process":
-            self.gateway = HostedGateway(self.client, cfg.model, episode_settings(cfg), model_name=model_name)
+            self.gateway = HostedGateway(self.client, cfg.model, episode_settings(cfg), model_name=model_name,
+                                         hosts=cfg.actor.gateway_hosts)
         else:
             self.gateway = Gateway(self.client, None, episode_settings(cfg), model_name=model_name)
         self._gateway_site = contextlib.AsyncExitStack()
@@ -456,8 +457,8 @@ class ActorDaemon:
             "groups_lost": self.sink.lost if self.sink else 0,
             "gateway": {"url": self.gateway.url, "open_episodes": len(self.gateway.sessions),
                         **msgspec.to_builtins(self.gateway.stats),
-                        **({"host_pid": self.gateway.host_pid, "host_starts": self.gateway.host_starts}
-                           if self._hosted else {})},
+                        **({"host_pid": self.gateway.host_pid, "host_pids": self.gateway.host_pids,
+                            "host_starts": self.gateway.host_starts} if self._hosted else {})},
         }
         if self.link is not None:
             out["link"] = {"trainer": self.peers[0], "connected": self.link.connected,

@@ -9,6 +9,7 @@ import sys
 
 import msgspec
 
+from rlnode import aio
 from rlnode.config import Config
 
 
@@ -100,9 +101,10 @@ def run_bench(name: str, cfg: Config, args) -> int:
     if name == "gateway":
         from rlnode.bench.gateway import bench_gateway, print_table
 
-        res = asyncio.run(bench_gateway(cfg, args.concurrency, args.requests, args.max_tokens, args.rounds, log,
-                                        engine=args.engine, isolation=args.agent_isolation,
-                                        gateway_host=None if args.gateway_host == "config" else args.gateway_host))
+        res = aio.run(bench_gateway(cfg, args.concurrency, args.requests, args.max_tokens, args.rounds, log,
+                                    engine=args.engine, isolation=args.agent_isolation,
+                                    gateway_host=None if args.gateway_host == "config" else args.gateway_host,
+                                    gateway_hosts=args.gateway_hosts))
         if args.json:
             print(msgspec.json.encode(res).decode())
         else:

@@ -101,7 +101,8 @@ class GatewayBenchResult(msgspec.Struct):
     engine: str = "vllm"  # "vllm" | "null" (NullEngine: the gateway's capacity)
     gateway_calls: int = 0  # chat completions the gateway answered, warm-up rounds included
     gateway_host: str = "inline"  # actor.gateway_host: "inline" | "process"
-    host_ms_per_call: float = 0.0  # the gateway host process, CPU per gateway call (process only)
+    host_ms_per_call: float = 0.0  # the gateway host processes, CPU per gateway call (process only)
+    gateway_hosts: int = 0  # actor.gateway_hosts (process only)
 
 
 class RoundStats(msgspec.Struct, array_like=True):
@@ -217,12 +218,13 @@ async def play_round(play_one: Callable[[int], Awaitable[EpisodeResult]], episod
 async def compare(client: LLMClient, renderer: ChatRenderer, settings: EpisodeSettings, game: dict, seed: int,
                   episodes: int, concurrency: int, rounds: int, log=print, engine: str = "vllm",
                   agent_workers: int = 2, isolation: str = "bwrap", gateway_host: str = "inline",
-                  model: ModelConfig | None = None) -> GatewayBenchResult:
+                  model: ModelConfig | None = None, gateway_hosts: int = 1) -> GatewayBenchResult:
     """Both modes on an engine the caller started (tests reuse theirs).
     ``engine``: what ``client`` runs on, "vllm" (its processes are this
     process's children) or "null" (no processes: engine CPU is 0).
     ``gateway_host``: "inline" or "process" (then ``model``: the host's
-    tokenizer, template and parsers, those ``renderer`` was made with)."""
+    tokenizer, template and parsers, those ``renderer`` was made with;
+    ``gateway_hosts`` of them)."""
     example = load_example()
     tools = [ToolSpec(**example.GUESS_TOOL["function"])]
     engine_pids = _engine_pids if engine == "vllm" else (lambda: [])
@@ -233,7 +235,7 @@ async def compare(client: LLMClient, renderer: ChatRenderer, settings: EpisodeSe
     await native_cube.start(), await agent_cube.start()
     ids = await native_cube.task_ids("train")
     if gateway_host == "process":
-        gateway = HostedGateway(client, model, settings, model_name="bench")
+        gateway = HostedGateway(client, model, settings, model_name="bench", hosts=gateway_hosts)
     else:
         gateway = Gateway(client, renderer, settings, model_name="bench")
     per_mode: dict[str, list[RoundStats]] = {m: [] for m in MODES}
@@ -254,7 +256,7 @@ async def compare(client: LLMClient, renderer: ChatRenderer, settings: EpisodeSe
                 return [w.proc.pid for w in agent_cube.workers.workers]
 
             def host_pids() -> list[int]:
-                return [gateway.host_pid] if gateway_host == "process" else []
+                return list(gateway.host_pids) if gateway_host == "process" else []
 
             for mode in MODES:  # warm-up, untimed
                 await play_round(player(mode, f"warm-{mode}"), concurrency, concurrency, engine_pids=engine_pids)
@@ -274,6 +276,7 @@ async def compare(client: LLMClient, renderer: ChatRenderer, settings: EpisodeSe
     res = _result(per_mode, gateway.stats.history_resets, episodes, concurrency, settings, rounds, game, engine)
     res.gateway_calls = gateway.stats.calls
     res.gateway_host = gateway_host
+    res.gateway_hosts = gateway_hosts if gateway_host == "process" else 0
     res.host_ms_per_call = statistics.median(1e3 * s.host_cpu_s / s.calls for s in per_mode["gateway"])
     return res
 
@@ -313,10 +316,11 @@ def null_engine(renderer: ChatRenderer, game: dict) -> NullEngine:
 
 async def bench_gateway(cfg: Config, concurrency: int, episodes: int, max_tokens: int, rounds: int,
                         log=print, engine: str = "vllm", isolation: str = "bwrap",
-                        gateway_host: str | None = None) -> GatewayBenchResult:
+                        gateway_host: str | None = None, gateway_hosts: int = 0) -> GatewayBenchResult:
     """``engine``: "vllm" (the configured engine) or "null" (``NullEngine``:
     the gateway's own capacity). ``isolation``: the agent cube's.
-    ``gateway_host``: "inline" | "process"; None: ``actor.gateway_host``."""
+    ``gateway_host``: "inline" | "process"; None: ``actor.gateway_host``.
+    ``gateway_hosts``: host processes (0: ``actor.gateway_hosts``)."""
     from transformers import AutoTokenizer
 
     if engine not in ENGINES:
@@ -334,7 +338,7 @@ async def bench_gateway(cfg: Config, concurrency: int, episodes: int, max_tokens
         client = LLMClient([eng], AdmissionRouter(1, concurrency))
         return await compare(client, renderer, settings, game, cfg.run.seed, episodes, concurrency, rounds, log,
                              engine=engine, isolation=isolation, gateway_host=gateway_host or cfg.actor.gateway_host,
-                             model=cfg.model)
+                             model=cfg.model, gateway_hosts=gateway_hosts or cfg.actor.gateway_hosts)
     finally:
         await eng.shutdown()
 

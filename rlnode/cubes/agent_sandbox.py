@@ -25,7 +25,8 @@ episode routes alone (``Gateway.serve_agents``; not ``/status``,
         ``limits.connections`` at once) --unix socket--> the agent socket
 
 The bootstrap sets the rlimits, listens on ``INSIDE_PORT`` inside the
-sandbox (the episode's URLs change host and port only: ``inside_url``),
+sandbox (the episode's URLs change host and port only: ``inside_url``;
+with several relays, one per gateway host, relay i on INSIDE_PORT + i),
 starts the agent (stdin, stdout, stderr, the allowlisted environment and
 the descriptors named pass through) and exits with its status. The relay's
 socket lives in a private directory bound read-only into that one sandbox
@@ -161,11 +162,13 @@ def set_limits(limits):
 """
 
 # Runs as the sandbox's first process:
-#   python -I -S -c BOOTSTRAP SOCKET PORT NPROC,AS,NOFILE,CPU FD,... ARGV...
+#   python -I -S -c BOOTSTRAP SOCKET,... PORT NPROC,AS,NOFILE,CPU FD,... ARGV...
+# (relay socket i is reached on PORT + i)
 BOOTSTRAP = SET_LIMITS + RELAY + r"""
 import subprocess, sys
-sock_path, port, limits, fds, argv = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5:]
-listen(port, sock_path)
+sock_paths, port, limits, fds, argv = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5:]
+for i, sock_path in enumerate(sock_paths.split(",")):
+    listen(port + i, sock_path)
 set_limits(limits)
 try:
     child = subprocess.Popen(argv, pass_fds=[int(fd) for fd in fds.split(",") if fd])
@@ -191,6 +194,7 @@ class GatewayRelay:
         self.dir = ""
         self.socket = ""
         self.refused = 0
+        self.relayed = 0  # connections piped upstream
         self._server: asyncio.AbstractServer | None = None
         self._pipes: set[asyncio.Task] = set()
 
@@ -241,6 +245,7 @@ class GatewayRelay:
             writer.close()
             self._pipes.discard(task)
             return
+        self.relayed += 1
         try:
             await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
         finally:
@@ -260,9 +265,10 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
         pass
 
 
-def inside_url(url: str) -> str:
-    """``url`` as a sandboxed agent reaches it: its own loopback, INSIDE_PORT."""
-    return urlunsplit(urlsplit(url)._replace(netloc=f"127.0.0.1:{INSIDE_PORT}"))
+def inside_url(url: str, relay_index: int = 0) -> str:
+    """``url`` as a sandboxed agent reaches it through its relay number
+    ``relay_index``: its own loopback, INSIDE_PORT + relay_index."""
+    return urlunsplit(urlsplit(url)._replace(netloc=f"127.0.0.1:{INSIDE_PORT + relay_index}"))
 
 
 def inside_env(env: dict[str, str]) -> dict[str, str]:
@@ -270,15 +276,17 @@ def inside_env(env: dict[str, str]) -> dict[str, str]:
     return {"MALLOC_ARENA_MAX": "4", **env, "HOME": "/tmp/home", "TMPDIR": "/tmp"}
 
 
-def sandboxed_argv(command: list[str], env: dict[str, str], relay: GatewayRelay, cwd: str,
+def sandboxed_argv(command: list[str], env: dict[str, str], relay: GatewayRelay | list[GatewayRelay], cwd: str,
                    ro_paths: list[str], limits: AgentLimits, pass_fds: tuple[int, ...] = ()) -> list[str]:
     """The whole argv that runs ``command`` in its sandbox; start it with
-    ``env=inside_env(env)`` and ``pass_fds``. Files the command names (its
-    script, a config) are made absolute and shown read-only; ``cwd`` (the
-    option, if set) and ``ro_paths`` too; the working directory is ``cwd``
-    or the private /tmp/home."""
+    ``env=inside_env(env)`` and ``pass_fds``. ``relay``: one, or one per
+    gateway host (relay i on INSIDE_PORT + i inside). Files the command
+    names (its script, a config) are made absolute and shown read-only;
+    ``cwd`` (the option, if set) and ``ro_paths`` too; the working
+    directory is ``cwd`` or the private /tmp/home."""
+    relays = relay if isinstance(relay, list) else [relay]
     base = cwd or os.getcwd()
-    argv, shown = [], [relay.dir, *ro_paths] + ([cwd] if cwd else [])
+    argv, shown = [], [*(r.dir for r in relays), *ro_paths] + ([cwd] if cwd else [])
     shown += [p for p in env.get("PYTHONPATH", "").split(":") if p and os.path.isdir(p)]
     for i, arg in enumerate(command):
         path = arg if os.path.isabs(arg) else os.path.join(base, arg)
@@ -296,7 +304,7 @@ def sandboxed_argv(command: list[str], env: dict[str, str], relay: GatewayRelay,
                                     os.path.abspath(cwd) if cwd else "/tmp/home", limits.tmp_mib * 2**20)
     exe = isolation.interpreter(sys.executable)
     rlimits = f"{limits.processes},{limits.memory_mib * 2**20},{limits.open_files},{limits.cpu_s}"
-    return [*prefix, exe, "-I", "-S", "-c", BOOTSTRAP, relay.socket, str(INSIDE_PORT), rlimits,
+    return [*prefix, exe, "-I", "-S", "-c", BOOTSTRAP, ",".join(r.socket for r in relays), str(INSIDE_PORT), rlimits,
             ",".join(map(str, pass_fds)), *argv]
 
 

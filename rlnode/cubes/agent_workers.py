@@ -15,8 +15,8 @@ the same sandbox as command agents (``agent_sandbox.sandboxed_argv``: own
 pid and net namespaces, an unprivileged uid, rlimits, no run dir, no link
 keys; its environment is the cube's allowlist, bwrap is started with it).
 It talks to the daemon over one socket pair handed to it as a descriptor,
-and reaches the gateway's episode routes through its relay
-(``inside_url``). With ``isolation = "none"`` the same command runs bare.
+and reaches the gateway's episode routes through its relays, one per
+gateway host (``inside_url``: an episode's URL names its host's relay port). With ``isolation = "none"`` the same command runs bare.
 
 Each worker runs many episodes at once on its own event loop: an async
 function is awaited there, a plain one runs in the worker's thread pool.
@@ -29,11 +29,17 @@ included, fails only its own episode. A worker whose CPU time nears its
 rlimit (``limits.cpu_s``) retires: it takes no new episode, ends when its
 last one has, and a fresh one takes its place.
 
-Protocol (pickled tuples over a ``multiprocessing.connection`` socket):
-    daemon -> worker: ("run", id, task, base_url, api_key) | ("cancel", id) | ("stop",)
-    worker -> daemon: ("ready",) | ("load_error", message) at start;
-                      ("ok", id, value) | ("error", id, message) per episode;
-                      ("retire",) once its CPU time passes RETIRE_FRACTION of its limit
+Protocol: msgspec Structs in length-prefixed msgpack frames over the
+socket pair (``_Frames``). Never pickle: what a worker sends is the agent's
+(the policy's) doing, and unpickling it would run its code in the daemon.
+The daemon reads without blocking (a worker that sends half a frame holds
+nothing), refuses a frame over ``MAX_FRAME_BYTES`` or one that does not
+decode, and then drops the worker.
+    daemon -> worker: Run(id, task, base_url, api_key) | Cancel(id) | Stop()
+    worker -> daemon: Ready() | LoadError(message) at start;
+                      Done(id, value) | Failed(id, message) per episode (value:
+                      what msgpack carries: numbers, strings, lists, maps, None);
+                      Retire() once its CPU time passes RETIRE_FRACTION of its limit
 """
 
 from __future__ import annotations
@@ -45,10 +51,12 @@ import itertools
 import os
 import signal
 import socket
+import struct
 import sys
-from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Union
+
+import msgspec
 
 import rlnode
 from rlnode.config import ConfigError
@@ -70,6 +78,114 @@ WORKER_MAIN = ("import sys; from rlnode.cubes.agent_workers import worker_main; 
                "worker_main(int(sys.argv[1]), sys.argv[2], float(sys.argv[3]))")
 # rlnode's own package, shown read-only in a worker's sandbox (its code, no data).
 RLNODE_DIR = os.path.dirname(os.path.abspath(rlnode.__file__))
+# A frame (one message: a task's data, an episode's result) above this is a
+# broken or hostile worker.
+MAX_FRAME_BYTES = 16 * 2**20
+
+
+class _Msg(msgspec.Struct, array_like=True, tag=True):
+    pass
+
+
+class Run(_Msg):
+    id: int
+    task: Any
+    base_url: str
+    api_key: str
+
+
+class Cancel(_Msg):
+    id: int
+
+
+class Stop(_Msg):
+    pass
+
+
+class Ready(_Msg):
+    pass
+
+
+class LoadError(_Msg):
+    message: str
+
+
+class Done(_Msg):
+    id: int
+    value: Any = None
+
+
+class Failed(_Msg):
+    id: int
+    message: str
+
+
+class Retire(_Msg):
+    pass
+
+
+ToWorker = Union[Run, Cancel, Stop]
+FromWorker = Union[Ready, LoadError, Done, Failed, Retire]
+_LEN = struct.Struct(">I")
+
+
+class _Frames(asyncio.Protocol):
+    """One end of the socket pair: ``send`` queues a message on the
+    transport (never blocks); ``on_message`` gets each one that arrives,
+    ``on_lost`` the reason once when the peer is gone or broke the protocol
+    (a frame too large, one that does not decode: the transport is then
+    aborted)."""
+
+    def __init__(self, incoming: Any, on_message: Callable[[Any], None], on_lost: Callable[[str], None]):
+        self._decode = msgspec.msgpack.Decoder(incoming).decode
+        self._encode = msgspec.msgpack.Encoder().encode
+        self.on_message, self.on_lost = on_message, on_lost
+        self._buf = bytearray()
+        self._transport: asyncio.Transport | None = None
+        self._lost = False
+
+    def connection_made(self, transport) -> None:
+        self._transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self._buf += data
+        while len(self._buf) >= 4 and not self._lost:
+            (n,) = _LEN.unpack_from(self._buf)
+            if n > MAX_FRAME_BYTES:
+                self._fail(f"a frame of {n} bytes (at most {MAX_FRAME_BYTES})")
+                return
+            if len(self._buf) < 4 + n:
+                return
+            body = bytes(self._buf[4:4 + n])
+            del self._buf[:4 + n]
+            try:
+                msg = self._decode(body)
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                self._fail(f"a frame that does not decode: {e}")
+                return
+            self.on_message(msg)
+
+    def connection_lost(self, exc) -> None:
+        if not self._lost:
+            self._lost = True
+            self.on_lost(f"the agent worker's channel closed ({exc!r})" if exc else "the agent worker's channel closed")
+
+    def send(self, msg: Any) -> None:
+        """Raises TypeError/msgspec.EncodeError for what msgpack cannot carry."""
+        body = self._encode(msg)
+        if not self._lost and self._transport is not None and not self._transport.is_closing():
+            self._transport.write(_LEN.pack(len(body)) + body)
+
+    def _fail(self, why: str) -> None:
+        if self._transport is not None:
+            self._transport.abort()
+        if not self._lost:
+            self._lost = True
+            self.on_lost(why)
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
 
 
 class AgentWorkerError(CubeError):
@@ -82,7 +198,6 @@ def worker_main(fd: int, ref: str, retire_cpu_s: float) -> None:  # pragma: no c
     import resource
     from concurrent.futures import ThreadPoolExecutor
 
-    conn = Connection(fd)
     retired = False
 
     def cpu_s() -> float:
@@ -90,15 +205,27 @@ def worker_main(fd: int, ref: str, retire_cpu_s: float) -> None:  # pragma: no c
         return r.ru_utime + r.ru_stime
 
     try:
-        fn = load_agent(ref)
+        fn, load_error = load_agent(ref), ""
     except BaseException as e:  # noqa: BLE001 - reported, then the worker ends
-        conn.send(("load_error", str(e)))
-        return
+        fn, load_error = None, str(e) or repr(e)
     is_async = inspect.iscoroutinefunction(fn)
     threads = ThreadPoolExecutor(max_workers=32, thread_name_prefix="agent")
     loop = asyncio.new_event_loop()
     jobs: dict[int, asyncio.Task] = {}
     stopped = loop.create_future()
+
+    def on_message(msg) -> None:
+        match msg:
+            case Run():
+                jobs[msg.id] = loop.create_task(job(msg.id, msg.task, msg.base_url, msg.api_key))
+            case Cancel(id=jid) if jid in jobs:
+                jobs[jid].cancel()
+            case Stop() if not stopped.done():
+                stopped.set_result(None)
+
+    def on_lost(_why: str) -> None:  # the daemon is gone
+        if not stopped.done():
+            stopped.set_result(None)
 
     async def job(jid: int, task, base_url: str, api_key: str) -> None:
         running = None
@@ -108,39 +235,33 @@ def worker_main(fd: int, ref: str, retire_cpu_s: float) -> None:  # pragma: no c
             else:
                 running = threads.submit(fn, task, base_url, api_key)
                 value = await asyncio.wrap_future(running)
-            reply = ("ok", jid, value)
+            reply = Done(jid, value)
         except asyncio.CancelledError:
             if running is not None and not running.cancel():
                 # A thread cannot be stopped: no reply, so the daemon kills
                 # this worker when its grace runs out.
                 return
-            reply = ("error", jid, "cancelled")
+            reply = Failed(jid, "cancelled")
         except BaseException as e:  # noqa: BLE001 - SystemExit too: this episode only
-            reply = ("error", jid, f"{type(e).__name__}({e})")
+            reply = Failed(jid, f"{type(e).__name__}({e})")
         nonlocal retired
         jobs.pop(jid, None)
         try:
             conn.send(reply)
-        except Exception as e:  # noqa: BLE001 - a reward of a type pickle refuses
-            conn.send(("error", jid, f"the agent returned an unsendable value: {e!r}"))
+        except (TypeError, ValueError, msgspec.EncodeError) as e:  # a value msgpack cannot carry
+            conn.send(Failed(jid, f"the agent returned an unsendable value: {e!r}"))
         if not retired and cpu_s() > retire_cpu_s:
             retired = True
-            conn.send(("retire",))
+            conn.send(Retire())
 
-    def on_message() -> None:
-        try:
-            msg = conn.recv()
-        except (EOFError, OSError):  # the daemon is gone
-            msg = ("stop",)
-        if msg[0] == "run":
-            jobs[msg[1]] = loop.create_task(job(*msg[1:]))
-        elif msg[0] == "cancel" and msg[1] in jobs:
-            jobs[msg[1]].cancel()
-        elif msg[0] == "stop" and not stopped.done():
-            stopped.set_result(None)
-
-    loop.add_reader(conn.fileno(), on_message)
-    conn.send(("ready",))
+    _, conn = loop.run_until_complete(loop.create_unix_connection(
+        lambda: _Frames(ToWorker, on_message, on_lost), sock=socket.socket(fileno=fd)))
+    if load_error:
+        conn.send(LoadError(load_error))
+        loop.run_until_complete(asyncio.sleep(0))  # the transport writes it
+        conn.close()
+        return
+    conn.send(Ready())
     loop.run_until_complete(stopped)
     os._exit(0)  # threads of blocking agents may still run: the process ends regardless
 
@@ -170,10 +291,11 @@ def load_agent(ref: str) -> Callable:
 
 class _Worker:
     """One worker process: its command under the sandbox, the daemon's end
-    of its socket pair, its relay to the gateway, its episodes."""
+    of its socket pair, its relays to the gateway's hosts, its episodes."""
 
-    def __init__(self, proc: asyncio.subprocess.Process, conn: Connection, relay: GatewayRelay | None):
-        self.proc, self.conn, self.relay = proc, conn, relay
+    def __init__(self, proc: asyncio.subprocess.Process, relays: list[GatewayRelay]):
+        self.proc, self.relays = proc, relays
+        self.conn: _Frames | None = None
         self.pending: dict[int, asyncio.Future] = {}
         self.ready: asyncio.Future | None = None
         self.retiring = False
@@ -198,11 +320,13 @@ class AgentWorkers:
         self.isolation, self.env, self.cwd = isolation, dict(env or {}), cwd
         self.ro_paths = [*(ro_paths or []), RLNODE_DIR, *_ref_files(self.ref)]
         self.limits = limits or AgentLimits()
-        # The gateway's agent socket, known at the first episode (workers
-        # start with their cube, before the gateway serves).
-        self.upstream = ""
+        # The gateway's agent sockets (one per gateway host), known at the
+        # first episode (workers start with their cube, before the gateway
+        # serves): each worker has a relay to each.
+        self.upstreams: list[str] = []
         self.workers: list[_Worker] = []
         self._ids = itertools.count()
+        self._spawning = asyncio.Lock()
         self._reaper: set[asyncio.Task] = set()  # workers being reaped: awaited by close()
         self._watchers: set[asyncio.Task] = set()  # cancelled episodes' grace timers: cancelled by close()
         self.restarts = 0  # workers killed (an episode would not end) or found dead
@@ -215,32 +339,39 @@ class AgentWorkers:
     async def _spawn(self) -> _Worker:
         loop = asyncio.get_running_loop()
         ours, theirs = socket.socketpair()
-        relay = None
+        relays: list[GatewayRelay] = []
         try:
             cmd = [sys.executable, "-c", WORKER_MAIN, str(theirs.fileno()), self.ref,
                    str(RETIRE_FRACTION * self.limits.cpu_s)]
             if self.isolation == "none":
                 argv, env = cmd, self.env
             else:
-                relay = GatewayRelay(self.upstream, self.limits.connections)
-                await relay.__aenter__()
-                argv = agent_sandbox.sandboxed_argv(cmd, self.env, relay, self.cwd, self.ro_paths, self.limits,
+                for upstream in self.upstreams or [""]:
+                    relays.append(await GatewayRelay(upstream, self.limits.connections).open())
+                argv = agent_sandbox.sandboxed_argv(cmd, self.env, relays, self.cwd, self.ro_paths, self.limits,
                                                     pass_fds=(theirs.fileno(),))
                 env = agent_sandbox.inside_env(self.env)
             proc = await asyncio.create_subprocess_exec(
-                *argv, env=env, cwd="/" if relay else (self.cwd or None), stdin=asyncio.subprocess.DEVNULL,
+                *argv, env=env, cwd="/" if relays else (self.cwd or None), stdin=asyncio.subprocess.DEVNULL,
                 pass_fds=(theirs.fileno(),), start_new_session=True)  # its group: a kill takes what it started
         except BaseException:
             ours.close()
-            if relay is not None:
+            for relay in relays:
                 await relay.__aexit__(None, None, None)
             raise
         finally:
             theirs.close()
-        w = _Worker(proc, Connection(ours.detach()), relay)
+        w = _Worker(proc, relays)
         w.ready = loop.create_future()
-        loop.add_reader(w.conn.fileno(), self._on_readable, w)
         self.workers.append(w)
+        try:
+            _, w.conn = await loop.create_unix_connection(
+                lambda: _Frames(FromWorker, lambda m: self._on_message(w, m), lambda why: self._drop(w, why)),
+                sock=ours)
+        except BaseException:
+            ours.close()
+            self._drop(w)
+            raise
         try:
             async with asyncio.timeout(START_TIMEOUT_S):
                 await w.ready
@@ -249,42 +380,38 @@ class AgentWorkers:
             raise
         return w
 
-    def _on_readable(self, w: _Worker) -> None:
-        try:
-            msg = w.conn.recv()
-        except (EOFError, OSError):
-            self._drop(w, "the agent worker died")
-            return
-        if msg[0] == "ready":
-            w.ready.set_result(None)
-        elif msg[0] == "load_error":
-            w.ready.set_exception(ConfigError(f"agent {self.ref!r}: {msg[1]}"))
-        elif msg[0] == "retire":
-            w.retiring = True
-            self.retired += 1
-            log.info("agent.worker_retiring", agent=self.ref, cpu_limit_s=self.limits.cpu_s, episodes=len(w.pending))
-            self._stop_if_drained(w)
-        else:
-            fut = w.pending.pop(msg[1], None)
-            if fut is not None and not fut.done():
-                if msg[0] == "ok":
-                    fut.set_result(msg[2])
-                else:
-                    fut.set_exception(AgentWorkerError(f"agent failed: {msg[2]}"))
-            self._stop_if_drained(w)
+    def _on_message(self, w: _Worker, msg: Any) -> None:
+        match msg:
+            case Ready():
+                if not w.ready.done():
+                    w.ready.set_result(None)
+            case LoadError(message=message):
+                if not w.ready.done():
+                    w.ready.set_exception(ConfigError(f"agent {self.ref!r}: {message}"))
+            case Retire():
+                if not w.retiring:
+                    w.retiring = True
+                    self.retired += 1
+                    log.info("agent.worker_retiring", agent=self.ref, cpu_limit_s=self.limits.cpu_s,
+                             episodes=len(w.pending))
+                self._stop_if_drained(w)
+            case Done() | Failed():
+                fut = w.pending.pop(msg.id, None)
+                if fut is not None and not fut.done():
+                    if isinstance(msg, Done):
+                        fut.set_result(msg.value)
+                    else:
+                        fut.set_exception(AgentWorkerError(f"agent failed: {msg.message}"))
+                self._stop_if_drained(w)
 
     def _stop_if_drained(self, w: _Worker) -> None:
         if w.retiring and not w.pending:
-            try:
-                w.conn.send(("stop",))
-            except OSError:
-                pass
+            w.conn.send(Stop())
             self._drop(w)
 
     def _drop(self, w: _Worker, why: str = "") -> None:
         if w in self.workers:
             self.workers.remove(w)
-            _unwatch(w)
             if why:
                 self.restarts += 1
                 log.warning("agent.worker_lost", agent=self.ref, why=why, episodes=len(w.pending))
@@ -308,9 +435,10 @@ class AgentWorkers:
             w.kill()  # anything it started, and a worker that did not stop
             await w.proc.wait()
         finally:
-            w.conn.close()
-            if w.relay is not None:
-                await w.relay.__aexit__(None, None, None)
+            if w.conn is not None:
+                w.conn.close()
+            for relay in w.relays:
+                await relay.__aexit__(None, None, None)
 
     def _track(self, coro, tasks: set[asyncio.Task] | None = None) -> None:
         tasks = self._reaper if tasks is None else tasks
@@ -322,28 +450,45 @@ class AgentWorkers:
         """One episode of the agent in the least busy worker."""
         base_url = endpoint.base_url
         if self.isolation != "none":
-            self.upstream = endpoint.agent_socket
-            for w in self.workers:
-                if w.relay is not None:
-                    w.relay.upstream = endpoint.agent_socket
-            base_url = agent_sandbox.inside_url(base_url)
-        while len(active := [w for w in self.workers if not w.retiring]) < self.processes:
-            await self._spawn()  # replace workers lost to kills or retired
+            base_url = agent_sandbox.inside_url(base_url, self._relay_to(endpoint))
+        async with self._spawning:  # episodes arriving together start the missing workers once
+            while len(active := [w for w in self.workers if not w.retiring]) < self.processes:
+                await self._spawn()  # replace workers lost to kills or retired
         w = min(active, key=lambda x: len(x.pending))
+        if not w.ready.done():  # another episode's run() is starting it
+            await asyncio.shield(w.ready)
         jid = next(self._ids)
         fut = asyncio.get_running_loop().create_future()
         w.pending[jid] = fut
-        w.conn.send(("run", jid, task, base_url, endpoint.api_key))
+        try:
+            w.conn.send(Run(jid, task, base_url, endpoint.api_key))
+        except (TypeError, ValueError, msgspec.EncodeError) as e:
+            w.pending.pop(jid, None)
+            raise CubeError(f"the task's data cannot be sent to the agent: {e}") from e
         try:
             return await asyncio.shield(fut)
         except asyncio.CancelledError:
             if not fut.done():
-                try:
-                    w.conn.send(("cancel", jid))
-                except OSError:
-                    pass
+                w.conn.send(Cancel(jid))
                 self._track(self._end_or_kill(w, fut), self._watchers)
             raise
+
+    def _relay_to(self, endpoint: AgentEndpoint) -> int:
+        """Which of a worker's relays reaches the host serving ``endpoint``.
+        Workers whose relays lead elsewhere (started before the gateway
+        served, or for a different number of hosts) retire: they finish
+        what they hold and fresh ones take their place."""
+        sockets = endpoint.agent_sockets or [endpoint.agent_socket]
+        if sockets != self.upstreams:
+            self.upstreams = list(sockets)
+            for w in self.workers:
+                if len(w.relays) == len(sockets):  # same shape: point them at the gateway's sockets
+                    for relay, upstream in zip(w.relays, sockets):
+                        relay.upstream = upstream
+                elif not w.retiring:
+                    w.retiring = True
+                    self._stop_if_drained(w)
+        return sockets.index(endpoint.agent_socket)
 
     async def _end_or_kill(self, w: _Worker, fut: asyncio.Future) -> None:
         try:
@@ -359,11 +504,8 @@ class AgentWorkers:
         await asyncio.gather(*self._watchers, return_exceptions=True)
         workers, self.workers = list(self.workers), []
         for w in workers:
-            _unwatch(w)
-            try:
-                w.conn.send(("stop",))
-            except OSError:
-                pass
+            if w.conn is not None:
+                w.conn.send(Stop())
         for w in workers:
             for fut in w.pending.values():
                 if not fut.done():
@@ -385,9 +527,3 @@ def _ref_files(ref: str) -> list[str]:
     target = ref.rpartition(":")[0]
     return [target] if target.endswith(".py") and os.path.isfile(target) else []
 
-
-def _unwatch(w: _Worker) -> None:
-    try:
-        asyncio.get_running_loop().remove_reader(w.conn.fileno())
-    except (OSError, ValueError, RuntimeError):
-        pass

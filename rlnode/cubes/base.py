@@ -141,6 +141,10 @@ class AgentEndpoint(msgspec.Struct):
     # A unix socket serving these episode routes and nothing else (no
     # /status, /metrics, /history): what a sandboxed agent's relay reaches.
     agent_socket: str = ""
+    # Every agent socket of the gateway, in host order (agent_socket is one:
+    # the host that serves this episode). A function agent's worker relays
+    # to each on a port of its own (agent_sandbox.inside_url).
+    agent_sockets: list[str] = []
 
 
 class AgentTask(CubeTask):

@@ -154,6 +154,3 @@ def usage(prompt: list[int], gen: Generation) -> dict[str, int]:
     n = len(gen.completion.token_ids)
     return {"prompt_tokens": len(prompt), "completion_tokens": n, "total_tokens": len(prompt) + n}
 
-
-def dumps(obj: Any) -> str:
-    return json.dumps(obj, default=str)

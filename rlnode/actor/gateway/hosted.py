@@ -3,19 +3,23 @@
 ``protocol.py``). The daemon's part of each call is small: check it, take
 the lease, run the engine, record it.
 
-Owns (in the daemon): the gateway's listening sockets (its TCP port and the
-agents' unix socket, bound here so URLs and sandbox relays outlive a host),
-the host process (started, watched, restarted when it dies), the sessions'
-keys and settings, every call's admission (its own count of the episode's
+Owns (in the daemon): the gateway's listening sockets (per host, its TCP
+port and its agents' unix socket, bound here so URLs and sandbox relays
+outlive a host), the host processes (``actor.gateway_hosts`` of them,
+started, watched, restarted when one dies), which host serves which
+episode (the one with the fewest open episodes; the episode's URL names
+that host's port, so every call of an episode reaches the host that holds
+its history), the sessions' keys and settings, every call's admission (its own count of the episode's
 calls, the context, the temperature range, max_tokens; the seed derived
 here), the leased engine call (``LLMClient``) and the record of what the
 engine was given and returned, from which ``agent_episode.py`` builds the
 samples. ``env/step`` runs here, on the episode's cube task.
 
-Must not: trust token lists from the host beyond a call's prompt; serve
-HTTP; tokenize. A host that dies fails the episodes it served
-(``GatewayHostLost``, a CubeError: retried like any other) and the next
-episodes get a new host on the same sockets.
+Must not: trust token lists from the host beyond a call's prompt, or a
+host's word on an episode another host serves; serve HTTP; tokenize. A
+host that dies fails the episodes it served (``GatewayHostLost``, a
+CubeError: retried like any other), the other hosts' episodes go on, and a
+new host takes its sockets.
 """
 
 from __future__ import annotations
@@ -74,12 +78,13 @@ class GatewayHostLost(CubeError):
 
 
 class HostedSession(GatewaySession):
-    """The daemon's side of an episode served by the host: its keys,
+    """The daemon's side of an episode served by a host: its keys,
     settings and the calls the engine answered (``calls``: the record
     samples are made from)."""
 
-    def __init__(self, gateway: "HostedGateway", *args, **kwargs):
+    def __init__(self, gateway: "HostedGateway", slot: "_Slot", *args, **kwargs):
         super().__init__(gateway, *args, **kwargs)
+        self.slot = self.serving = slot  # its URL and agent socket are the slot's
         self.lost: asyncio.Future = asyncio.get_running_loop().create_future()  # result: why the host was lost
         self._steps: set[int] = set()
 
@@ -105,36 +110,63 @@ class HostedSession(GatewaySession):
         return run.result()
 
 
+class _Slot:
+    """One host's place: the sockets it serves (bound by the daemon, kept
+    across restarts), their URL and path, and the host running there."""
+
+    def __init__(self, index: int, tcp: socket.socket, unix: socket.socket, url: str, agent_socket: str):
+        self.index, self.tcp, self.unix, self.url, self.agent_socket = index, tcp, unix, url, agent_socket
+        self.host: _Host | None = None
+        self.up = asyncio.Event()
+        self.open = 0  # episodes open here
+        self.base = HostStats()  # counters of this slot's hosts that are gone
+
+    @property
+    def sync_key(self) -> str:
+        return f"#{self.index}"  # a Settle that no episode's token can equal (tokens are urlsafe base64)
+
+
 class _Host:
     """One host process and its channel."""
 
-    def __init__(self, proc: asyncio.subprocess.Process, chan: Channel, lost: asyncio.Future):
-        self.proc, self.chan, self.lost = proc, chan, lost
+    def __init__(self, slot: _Slot, proc: asyncio.subprocess.Process, chan: Channel, lost: asyncio.Future):
+        self.slot, self.proc, self.chan, self.lost = slot, proc, chan, lost
         self.pid = proc.pid
         self.stats = HostStats()
 
 
 class HostedGateway:
     """``Gateway``'s interface (``serve``, ``session``, ``stats``, ``url``,
-    ``agent_socket``) with the HTTP side in a host process."""
+    ``agent_socket``) with the HTTP side in ``hosts`` host processes."""
 
-    def __init__(self, client: LLMClient, model: ModelConfig, settings: EpisodeSettings, model_name: str = "rlnode"):
+    def __init__(self, client: LLMClient, model: ModelConfig, settings: EpisodeSettings, model_name: str = "rlnode",
+                 hosts: int = 1):
         self.client, self.model, self.settings, self.model_name = client, model, settings, model_name
-        self.url = ""
+        self.hosts = hosts
+        self.url = ""  # the first host's (each episode's endpoint names its own host's)
         self.agent_socket = ""
         self.sessions: dict[str, HostedSession] = {}
         self.stats = GatewayStats()
         self.host_starts = 0  # hosts started (a restart after a loss counts)
-        self._host: _Host | None = None
-        self._up = asyncio.Event()
-        self._sockets: tuple[socket.socket, socket.socket] | None = None
+        self.slots: list[_Slot] = []
+        self._any_up = asyncio.Event()
         self._calls: dict[tuple[int, int], asyncio.Task] = {}  # (host pid, call id) -> engine call
         self._waiting: dict[str, list[asyncio.Future]] = {}  # token -> SessionState waiters, in order
-        self._base = HostStats()  # counters of hosts that are gone
 
     @property
     def host_pid(self) -> int:
-        return self._host.pid if self._host is not None else 0
+        """The first host's pid (0: none running)."""
+        return self.host_pids[0] if self.slots else 0
+
+    @property
+    def agent_sockets(self) -> list[str]:
+        """Each host's agent socket, in slot order."""
+        return [slot.agent_socket for slot in self.slots]
+
+    @property
+    def host_pids(self) -> list[int]:
+        """Each slot's running host (0 where none runs)."""
+        return [slot.host.pid if slot.host is not None else 0 for slot in self.slots]
 
     def add_routes(self, app) -> None:
         """Nothing: the host serves the episode routes (on ``url``)."""
@@ -143,44 +175,47 @@ class HostedGateway:
 
     @contextlib.asynccontextmanager
     async def serve(self, host: str = "127.0.0.1", port: int = 0) -> AsyncIterator["HostedGateway"]:
-        """Bind the gateway's sockets, start the host (raising if it cannot
-        start), keep one running until exit; then stop it and unbind."""
+        """Bind each host's sockets (the first on ``port``, the others on
+        free ports), start the hosts (raising if one cannot start), keep
+        them running until exit; then stop them and unbind."""
         home = await asyncio.to_thread(make_agents_dir)
-        tcp = unix = None
-        supervisor = None
+        supervisors: list[asyncio.Task] = []
         try:
-            tcp = socket.create_server((host, port), backlog=1024)
-            path = os.path.join(home, "agents.sock")
-            unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            unix.bind(path)
-            os.chmod(path, 0o666)
-            unix.listen(1024)
-            self._sockets = (tcp, unix)
-            await self._start_host()
-            self.url = f"http://{local_url_host(host)}:{tcp.getsockname()[1]}"
-            self.agent_socket = path
-            supervisor = asyncio.create_task(self._supervise(), name="gateway-host")
+            for i in range(self.hosts):
+                tcp = socket.create_server((host, port if i == 0 else 0), backlog=1024)
+                unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                path = os.path.join(home, "agents.sock" if i == 0 else f"agents-{i}.sock")
+                self.slots.append(_Slot(i, tcp, unix, f"http://{local_url_host(host)}:{tcp.getsockname()[1]}", path))
+                unix.bind(path)
+                os.chmod(path, 0o666)
+                unix.listen(1024)
+            started = await asyncio.gather(*(self._start_host(slot) for slot in self.slots), return_exceptions=True)
+            for e in started:
+                if isinstance(e, BaseException):
+                    raise e
+            self.url, self.agent_socket = self.slots[0].url, self.slots[0].agent_socket
+            supervisors = [asyncio.create_task(self._supervise(slot), name=f"gateway-host-{slot.index}")
+                           for slot in self.slots]
             yield self
         finally:
             self.url = self.agent_socket = ""
             try:
-                if supervisor is not None:
-                    supervisor.cancel()
-                    await asyncio.gather(supervisor, return_exceptions=True)
-                await self._stop_host()
+                for t in supervisors:
+                    t.cancel()
+                await asyncio.gather(*supervisors, return_exceptions=True)
+                await asyncio.gather(*(self._stop_host(slot) for slot in self.slots))
             finally:
-                for sock in (tcp, unix):
-                    if sock is not None:
-                        sock.close()
-                self._sockets = None
-                # Inline, not in a thread: one socket file (instant), and it
-                # must go even when this exit is itself cancelled.
+                for slot in self.slots:
+                    slot.tcp.close()
+                    slot.unix.close()
+                self.slots = []
+                # Inline, not in a thread: a few socket files (instant), and
+                # they must go even when this exit is itself cancelled.
                 shutil.rmtree(home, ignore_errors=True)
 
-    async def _start_host(self) -> None:
-        tcp, unix = self._sockets
+    async def _start_host(self, slot: _Slot) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        fds = (theirs.fileno(), tcp.fileno(), unix.fileno())
+        fds = (theirs.fileno(), slot.tcp.fileno(), slot.unix.fileno())
         try:
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "rlnode.actor.gateway.host", *map(str, fds), pass_fds=fds,
@@ -195,7 +230,7 @@ class HostedGateway:
         lost, ready = loop.create_future(), loop.create_future()
 
         def on_messages(msgs: list) -> None:
-            if host is not None and self._host is host:
+            if host is not None and slot.host is host:
                 self._on_messages(host, msgs)
             elif not ready.done():
                 first = msgs[0]
@@ -210,7 +245,7 @@ class HostedGateway:
 
         host = None
         chan = await Channel.connect(ours, ToDaemon, on_messages, on_lost)
-        host = _Host(proc, chan, lost)
+        host = _Host(slot, proc, chan, lost)
         m = self.model
         chan.send(HostStart(m.tokenizer or m.path, m.chat_template, m.tool_parser, m.reasoning_parser,
                             self.model_name))
@@ -223,23 +258,24 @@ class HostedGateway:
         except BaseException:
             await self._reap(host)
             raise
-        self._host = host
+        slot.host = host
         self.host_starts += 1
-        self._up.set()
-        log.info("gateway.host_started", pid=proc.pid, starts=self.host_starts)
+        slot.up.set()
+        self._any_up.set()
+        log.info("gateway.host_started", pid=proc.pid, slot=slot.index, starts=self.host_starts)
 
-    async def _supervise(self) -> None:
-        """Restart the host whenever it is lost."""
+    async def _supervise(self, slot: _Slot) -> None:
+        """Restart the slot's host whenever it is lost."""
         backoff = RESTART_BACKOFF_S[0]
         while True:
-            host = self._host
+            host = slot.host
             why = await host.lost
             self._lost(host, why)
             await self._reap(host)
             while True:
                 await asyncio.sleep(backoff)
                 try:
-                    await self._start_host()
+                    await self._start_host(slot)
                 except Exception as e:  # GatewayHostLost, or the process could not be started (OSError)
                     log.error("gateway.host_start_failed", error=str(e) or repr(e), retry_in_s=backoff)
                     backoff = min(backoff * 2, RESTART_BACKOFF_S[1])
@@ -248,24 +284,28 @@ class HostedGateway:
                 break
 
     def _lost(self, host: _Host, why: str) -> None:
-        """A host died: its episodes fail, their engine calls are aborted."""
-        if self._host is not host:
+        """A host died: its episodes fail, their engine calls are aborted;
+        the other hosts' episodes go on."""
+        slot = host.slot
+        if slot.host is not host:
             return
-        self._host = None
-        self._up.clear()
-        open_sessions = [s for s in self.sessions.values() if not s.lost.done()]
-        log.error("gateway.host_lost", pid=host.pid, why=why, episodes=len(open_sessions))
+        slot.host = None
+        slot.up.clear()
+        if not any(other.up.is_set() for other in self.slots):
+            self._any_up.clear()
+        open_sessions = [s for s in self.sessions.values() if s.slot is slot and not s.lost.done()]
+        log.error("gateway.host_lost", pid=host.pid, slot=slot.index, why=why, episodes=len(open_sessions))
         for key, task in list(self._calls.items()):
             if key[0] == host.pid:
                 task.cancel()
         for s in open_sessions:
             s.lost.set_result(why)
-        for waiters in self._waiting.values():
-            for w in waiters:
+        for token in [slot.sync_key, *(s.token for s in open_sessions)]:
+            for w in self._waiting.pop(token, []):
                 if not w.done():
                     w.set_result(None)
-        self._waiting.clear()
-        self._base = HostStats(*(getattr(self._base, f) + getattr(host.stats, f) for f in _HOST_FIELDS))
+        slot.base = HostStats(*(getattr(slot.base, f) + getattr(host.stats, f) for f in _HOST_FIELDS))
+        self._sum_host_stats()
 
     async def _reap(self, host: _Host) -> None:
         host.chan.close()
@@ -277,9 +317,9 @@ class HostedGateway:
                 host.proc.kill()
                 await host.proc.wait()
 
-    async def _stop_host(self) -> None:
-        host, self._host = self._host, None
-        self._up.clear()
+    async def _stop_host(self, slot: _Slot) -> None:
+        host, slot.host = slot.host, None
+        slot.up.clear()
         if host is not None:
             await self._reap(host)
 
@@ -290,16 +330,19 @@ class HostedGateway:
                       policy_version: Callable[[], int] = lambda: 0) -> AsyncIterator[HostedSession]:
         if not self.url:
             raise RuntimeError("the gateway is not served (HostedGateway.serve)")
-        if not self._up.is_set():
+        if not self._any_up.is_set():
             try:
-                await asyncio.wait_for(self._up.wait(), START_TIMEOUT_S)
+                await asyncio.wait_for(self._any_up.wait(), START_TIMEOUT_S)
             except asyncio.TimeoutError:
                 raise GatewayHostLost("no gateway host is running (restarts keep failing)") from None
-        s = HostedSession(self, episode_id, task, settings or self.settings, policy_version)
+        # The least busy running host; the episode's URL names it.
+        slot = min((x for x in self.slots if x.up.is_set()), key=lambda x: x.open)
+        s = HostedSession(self, slot, episode_id, task, settings or self.settings, policy_version)
         st, sp = s.settings, s.settings.sampling
         tools = [t.as_chat_tool() for t in task.tools()] if task is not None else []
         self.sessions[s.token] = s
         self.stats.sessions += 1
+        slot.open += 1
         try:
             # Answered once the host serves the token: the agent gets its URL
             # only then (its first request must not race the open).
@@ -316,11 +359,12 @@ class HostedGateway:
                 await self._ask_state(s, CloseSession(s.token))  # the host's last word on the episode
             finally:
                 self.sessions.pop(s.token, None)
+                slot.open -= 1
 
     async def _ask_state(self, s: HostedSession, msg=None) -> None:
         """Send ``msg`` (``Settle``) and wait for the host's SessionState of
         ``s``: what the host sent before it is then applied."""
-        host = self._host
+        host = s.slot.host
         if host is None or s.lost.done():
             return
         fut = asyncio.get_running_loop().create_future()
@@ -331,13 +375,16 @@ class HostedGateway:
             log.warning("gateway.host_slow", pid=host.pid, episode=s.episode_id, waited_s=SETTLE_TIMEOUT_S)
 
     async def sync(self) -> None:
-        """Wait until the host's counters up to now are in ``stats``."""
-        host = self._host
+        """Wait until the hosts' counters up to now are in ``stats``."""
+        await asyncio.gather(*(self._sync(slot) for slot in self.slots))
+
+    async def _sync(self, slot: _Slot) -> None:
+        host = slot.host
         if host is None:
             return
         fut = asyncio.get_running_loop().create_future()
-        self._waiting.setdefault("", []).append(fut)
-        host.chan.send(Settle(""))
+        self._waiting.setdefault(slot.sync_key, []).append(fut)
+        host.chan.send(Settle(slot.sync_key))
         await asyncio.wait([fut, host.lost], timeout=SETTLE_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED)
 
     # -- the host's messages -------------------------------------------------------
@@ -352,7 +399,7 @@ class HostedGateway:
                     if task is not None:
                         task.cancel()
                 case Unsent(token=token, step=step):
-                    s = self.sessions.get(token)
+                    s = self._session(host, token)
                     if s is not None and s.forget(step):
                         self.stats.unsent += 1
                         log.info("gateway.reply_unsent", episode=s.episode_id, step=step)
@@ -361,7 +408,7 @@ class HostedGateway:
                 case PostReward():
                     self._post_reward(host, m)
                 case SessionState(token=token):
-                    self._apply_state(m)
+                    self._apply_state(host, m)
                     waiters = self._waiting.get(token)
                     if waiters:
                         w = waiters.pop(0)
@@ -371,13 +418,23 @@ class HostedGateway:
                             w.set_result(None)
                 case HostStats():
                     host.stats = m
-                    for f in _HOST_FIELDS:
-                        setattr(self.stats, f, getattr(self._base, f) + getattr(m, f))
+                    self._sum_host_stats()
                 case HostReady() | HostFailed():
                     pass
 
-    def _apply_state(self, m: SessionState) -> None:
-        s = self.sessions.get(m.token)
+    def _session(self, host: _Host, token: str) -> HostedSession | None:
+        """The open episode ``token`` if ``host`` serves it (a host has no
+        say over another host's episodes)."""
+        s = self.sessions.get(token)
+        return s if s is not None and s.slot is host.slot else None
+
+    def _sum_host_stats(self) -> None:
+        for f in _HOST_FIELDS:
+            setattr(self.stats, f, sum(getattr(slot.base, f) + (getattr(slot.host.stats, f) if slot.host else 0)
+                                       for slot in self.slots))
+
+    def _apply_state(self, host: _Host, m: SessionState) -> None:
+        s = self._session(host, m.token)
         if s is None:
             return
         s.terminated = s.terminated or m.terminated
@@ -385,7 +442,7 @@ class HostedGateway:
             s.posted_reward, s.posted_success = m.posted_reward, m.posted_success
 
     def _generate(self, host: _Host, m: Generate) -> None:
-        s = self.sessions.get(m.token)
+        s = self._session(host, m.token)
         try:
             if s is None or s.closed or s.lost.done():
                 raise GatewayError(404, "unknown or finished episode", code="episode_not_found")
@@ -394,7 +451,7 @@ class HostedGateway:
             host.chan.send(CallFailed(m.call_id, e.status, e.message, e.code, e.param, e.type))
             return
         key = (host.pid, m.call_id)
-        task = asyncio.ensure_future(self._call(host, s, m, sampling, s.policy_version()))
+        task = asyncio.get_running_loop().create_task(self._call(host, s, m, sampling, s.policy_version()))
         s._inflight.add(task)
         self._calls[key] = task
         task.add_done_callback(lambda t: (s._inflight.discard(t), self._calls.pop(key, None)))
@@ -471,7 +528,7 @@ class HostedGateway:
         send(Generated(m.call_id, comp.token_ids, comp.finish_reason))
 
     def _post_reward(self, host: _Host, m: PostReward) -> None:
-        s = self.sessions.get(m.token)
+        s = self._session(host, m.token)
         if s is None or s.closed:
             host.chan.send(CallFailed(m.call_id, 404, "unknown or finished episode", "episode_not_found"))
         elif not s.reward_key or not (math.isfinite(m.reward) and abs(m.reward) <= s.settings.max_abs_reward):
@@ -482,7 +539,7 @@ class HostedGateway:
             host.chan.send(EnvReplied(m.call_id, b'{"ok":true}'))
 
     def _env(self, host: _Host, m: EnvCall) -> None:
-        s = self.sessions.get(m.token)
+        s = self._session(host, m.token)
 
         async def step() -> None:
             try:
@@ -494,7 +551,7 @@ class HostedGateway:
                 return
             host.chan.send(EnvReplied(m.call_id, body))
 
-        task = asyncio.ensure_future(step())
+        task = asyncio.get_running_loop().create_task(step())
         if s is not None:
             s._inflight.add(task)
             task.add_done_callback(s._inflight.discard)

@@ -76,6 +76,9 @@ class GatewaySession:
         """``keys``: (token, api key, reward key) chosen by the daemon (a
         gateway host's copy of a session); else made here."""
         self.gateway, self.episode_id, self.task, self.settings = gateway, episode_id, task, settings
+        # What serves the episode's routes (its url and agent_socket): the
+        # gateway, or a gateway host's slot (hosted.py).
+        self.serving = gateway
         self.policy_version = policy_version
         self.token = secrets.token_urlsafe(24)
         self.api_key = "rlnode-" + secrets.token_urlsafe(24)
@@ -113,9 +116,9 @@ class GatewaySession:
 
     @property
     def endpoint(self) -> AgentEndpoint:
-        root = f"{self.gateway.url}/episodes/{self.token}"
+        root = f"{self.serving.url}/episodes/{self.token}"
         return AgentEndpoint(f"{root}/v1", self.api_key, f"{root}/env", self.gateway.model_name, self.reward_key,
-                             self.gateway.agent_socket)
+                             self.serving.agent_socket, self.gateway.agent_sockets)
 
     def check_key(self, request: web.Request, key: str | None = None) -> None:
         key = self.api_key if key is None else key
