@@ -427,6 +427,25 @@ def test_trainer_kill_resume(run):
     report("trainer_kill_resume", version_at_kill=v_kill, resumed_at=resumed_at, back_training_s=round(back, 1),
            resent_duplicates_dropped=link["duplicates"], groups_lost=lost_groups(run), groups_duplicated=len(dup))
     assert resumed_at <= v_kill and not dup and lost_groups(run) == 0
+    # Versions name weights (issue 36): the killed trainer's versions after
+    # its last checkpoint (the lost branch) are never trained as on-policy
+    # nor served from the prefix cache.
+    st = t.must_status()["roles"]["trainer"]
+    started = t.events("link.trainer.started")
+    assert st["incarnation"] == started[-1]["incarnation"] != started[-2]["incarnation"], started[-2:]
+    since = _when(t.events("trainer.resumed")[-1]).timestamp()
+    after = [r for r in steps_of(run.run_dir) if r["time"] > since]
+    # A lost-branch token trained as if current would show a negative token
+    # lag (its version number is ahead of the resumed trainer's); such
+    # samples are dropped as foreign instead.
+    assert after and all(int(k) >= 0 for r in after for k in r["token_lag_hist"]), \
+        [r["token_lag_hist"] for r in after]
+    # Every engine serves (and salts its prefix cache with) the new incarnation's weights.
+    for a in c.actors():
+        engines = a.must_status()["roles"]["actor"]["engines"]
+        assert all(e["weights"].endswith("@" + st["incarnation"]) for e in engines), engines
+    report("trainer_kill_resume_lineage", lost_versions=v_kill - resumed_at,
+           foreign_samples_dropped=st["samples_dropped"]["foreign"])
 
 
 def engine_cores(node) -> list[int]:
