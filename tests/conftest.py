@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -14,6 +15,14 @@ import pytest
 
 os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
 ROOT = Path(__file__).resolve().parents[1]
+
+# Cubes for the tests only (fault injection: tests/plugins/rlnode_test_cubes.py),
+# found through the `rlnode.cubes` entry points like any plug-in, here and in
+# every daemon the tests start (PYTHONPATH).
+PLUGINS = str(ROOT / "tests" / "plugins")
+if PLUGINS not in sys.path:
+    sys.path.insert(0, PLUGINS)
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (PLUGINS, os.environ.get("PYTHONPATH")) if p)
 
 # Every temporary file of the session, this process's and those of every
 # daemon, engine and agent it starts, goes into one directory of its own

@@ -53,9 +53,10 @@ COMMON = [
     "--set", "link.heartbeat_s=1", "--set", f"link.peer_timeout_s={PEER_TIMEOUT_S}",
     "--set", f"trainer.weights.timeout_s={WEIGHTS_TIMEOUT_S}", "--set", "trainer.weights.max_failures=3",
     "--set", "trainer.cpu_threads=1",
-    # Every 4th task fails in reset on every attempt: its groups are dropped
-    # on the actor after a retry, and their credits must come back.
-    "--set", 'actor.cubes=[{id = "guess5", kind = "guessing", weight = 1.0, options = {max_number = 5, '
+    # Every 4th task fails in reset on every attempt (a test cube:
+    # tests/plugins/rlnode_test_cubes.py): its groups are dropped on the
+    # actor after a retry, and their credits must come back.
+    "--set", 'actor.cubes=[{id = "guess5", kind = "faulty-guessing", weight = 1.0, options = {max_number = 5, '
              'max_turns = 3, feedback = "range", fail_reset_every = 4}}]',
     "--set", "actor.scheduler.max_retries=1", "--set", "actor.scheduler.retry_backoff_s=0.05",
 ]

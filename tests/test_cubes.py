@@ -188,6 +188,37 @@ def test_registry_unknown_and_entry_point(tmp_path, monkeypatch):
     sys.modules.pop("mycube_pkg", None)
 
 
+async def test_fault_injection_is_a_test_cube_every_daemon_finds():
+    """Fault injection lives in tests/ (tests/plugins/rlnode_test_cubes.py),
+    not in the production guessing cube: ``faulty-guessing`` fails every
+    Nth train task in reset, on every attempt, and is otherwise guessing
+    with the same hidden numbers. It is a plug-in like any other, so a
+    daemon the tests start as a subprocess finds it too (conftest.py puts
+    its directory on PYTHONPATH)."""
+    import subprocess
+
+    with pytest.raises(msgspec.ValidationError, match="fail_reset_every"):
+        make_cube("g", "guessing", {"fail_reset_every": 4}, seed=0)
+    faulty = make_cube("f", "faulty-guessing", {"max_number": 5, "fail_reset_every": 4}, seed=7)
+    plain = make_cube("g", "guessing", {"max_number": 5}, seed=7)
+    failed = []
+    for tid in [*(await faulty.task_ids("train"))[:9], *(await faulty.task_ids("test"))[:5]]:
+        assert faulty.target(tid) == plain.target(tid)
+        task = await faulty.open_task(tid)
+        try:
+            await task.reset()
+        except CubeError as e:
+            assert "injected reset failure" in str(e)
+            failed.append(tid)
+            continue
+        assert (await task.step(act(str(plain.target(tid))))).reward == 1.0
+    assert failed == ["train-00000", "train-00004", "train-00008"]
+    out = subprocess.run([sys.executable, "-c", "from rlnode.cubes.registry import cube_class; "
+                          "print(cube_class('faulty-guessing').__module__)"],
+                         capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "rlnode_test_cubes"
+
+
 def test_parse_action_variants(tokenizer):
     """The default reader (vLLM's hermes parser, model.tool_parser): what a
     cube sees of a completion. tests/test_parsers.py has the other formats."""

@@ -19,7 +19,7 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
-from rlnode.cubes.base import Action, Cube, CubeError, CubeTask, CubeTaskRef, Evaluation, Reset, Split, StepResult, ToolSpec
+from rlnode.cubes.base import Action, Cube, CubeTask, CubeTaskRef, Evaluation, Reset, Split, StepResult, ToolSpec
 from rlnode.cubes.tasks import first_number, split_index, task_rng
 
 
@@ -44,10 +44,6 @@ class GuessingOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # lucky one-turn win is not favoured over splitting the range. Must
     # leave a win worth more than a clean loss: cost * (max_turns - 1) < 1.
     wasted_turn_cost: Annotated[float, Meta(ge=0, lt=1)] = 0.0
-    # Fault injection for drills and tests: every Nth train task (index % N
-    # == 0) fails in reset, on every attempt, as a broken task server would;
-    # its groups are dropped after retries. 0 = off.
-    fail_reset_every: Annotated[int, Meta(ge=0)] = 0
 
     def __post_init__(self):
         if self.wasted_turn_cost * (self.max_turns - 1) >= 1:
@@ -67,11 +63,6 @@ class GuessingTask(CubeTask):
         self.solved = False
 
     async def reset(self) -> Reset:
-        every = self.opts.fail_reset_every
-        if every:
-            split, idx = split_index(self.ref.task_id)
-            if split == "train" and idx % every == 0:
-                raise CubeError(f"task {self.ref.task_id}: injected reset failure (fail_reset_every={every})")
         n = self.opts.max_number
         return Reset(
             observation=f"Guess the hidden number between 1 and {n}. Reply with one number.",
