@@ -15,7 +15,8 @@ import torch
 from conftest import assert_engine_idle, reference_logprobs
 from rlnode.actor.engine import SamplingSettings
 from rlnode.actor.episode import ChatRenderer, EpisodeSettings
-from rlnode.actor.gateway import Gateway, HostedGateway, _stream_safe
+from rlnode.actor.gateway import Gateway, HostedGateway
+from rlnode.actor.gateway.stream import stream_safe
 from rlnode.actor.generation import LLMClient
 from rlnode.actor.router import AdmissionRouter
 from rlnode.config import ModelConfig
@@ -313,7 +314,7 @@ def test_tool_call_reply_and_stream_prefix(tokenizer):
     p = parser.parse(text, tools)
     assert p.content == "Let me try. " and [(c.name, c.arguments) for c in p.tool_calls] == [("guess", {"n": 4})]
     for k in range(len(text) + 1):
-        assert p.content.startswith(_stream_safe(text[:k], True, parser))
+        assert p.content.startswith(stream_safe(text[:k], True, parser))
     bad = "x <tool_call>{not json</tool_call>"
     assert parser.parse(bad, tools)[:3] == (bad, None, [])
     assert parser.parse("plain", tools) == ("plain", None, [], None)

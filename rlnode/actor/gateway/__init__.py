@@ -68,7 +68,6 @@ from rlnode.actor.gateway.api import (
 from rlnode.actor.gateway.hosted import GatewayHostLost, HostedGateway, make_gateway
 from rlnode.actor.gateway.server import Gateway
 from rlnode.actor.gateway.session import GatewaySession, GatewayStats, ServedCall
-from rlnode.actor.gateway.stream import _stream_safe  # noqa: F401 - tested directly
 
 __all__ = [
     "MAX_REQUEST_BYTES", "TOKENIZE_INLINE_CHARS", "ChatRequest", "Gateway", "GatewayError", "GatewayHostLost",

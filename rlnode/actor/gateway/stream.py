@@ -22,7 +22,7 @@ from rlnode.log import get_logger
 log = get_logger("rlnode.gateway")
 
 
-def _stream_safe(text: str, tools_on: bool, parser: CompletionParser) -> str:
+def stream_safe(text: str, tools_on: bool, parser: CompletionParser) -> str:
     """The part of a growing completion that can be streamed as content now:
     what the parsers promise begins the final content, never half a UTF-8
     character."""
@@ -64,7 +64,7 @@ async def stream_completion(gw, request, s, req, messages, tools, tools_on, prom
             await asyncio.wait([gen_task, waiter], return_when=asyncio.FIRST_COMPLETED)
             waiter.cancel()
             grew.clear()
-            safe = _stream_safe(text.update(latest[0]), tools_on, gw.renderer.parser)
+            safe = stream_safe(text.update(latest[0]), tools_on, gw.renderer.parser)
             if len(safe) > len(sent) and safe.startswith(sent):
                 await resp.write(chunk({"content": safe[len(sent):]}))
                 sent = safe
@@ -78,7 +78,7 @@ async def stream_completion(gw, request, s, req, messages, tools, tools_on, prom
         delivered = False
         try:
             reply, finish, calls, reasoning = gw._reply(gen, tools if tools_on else None, prompt)
-            if reasoning is not None:  # never streamed early (see _stream_safe), so it precedes all content
+            if reasoning is not None:  # never streamed early (see stream_safe), so it precedes all content
                 await resp.write(chunk(reasoning_delta(reasoning)))
             content = reply["content"]
             if not content.startswith(sent):  # cannot happen with a prefix-stable decode; keep parity honest
