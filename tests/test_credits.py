@@ -291,17 +291,17 @@ async def test_a_group_refused_for_good_spends_its_credit(refusal, monkeypatch):
     actor forgot the group, but the ledger never recorded its delivery: the
     credit stayed "in hands" for good and the budget shrank by one per
     refusal. Now it is spent, and the budget is granted again."""
-    import rlnode.link.trainer_link as trainer_link
+    import rlnode.link.trainer_groups as trainer_groups  # where TrainerLink's group intake validates
 
     if refusal == "handler_error":
-        real = trainer_link.validate_group
+        real = trainer_groups.validate_group
 
         def breaks_on_bad(g, *args):
             if g.group_id == "bad":
                 raise RuntimeError("a trainer bug this group triggers")
             return real(g, *args)
 
-        monkeypatch.setattr(trainer_link, "validate_group", breaks_on_bad)
+        monkeypatch.setattr(trainer_groups, "validate_group", breaks_on_bad)
     trainer = TrainerLink(ANY_PORT, FAST, credit_budget=2)
     await trainer.start()
     a = ActorLink(trainer.endpoint, "a", [(0, 1)], FAST, credit_want=2)

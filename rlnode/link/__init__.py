@@ -2,7 +2,9 @@
 msgspec messages from ``rlnode.wire``, acknowledged group delivery,
 heartbeats, optional CurveZMQ authentication.
 
-    trainer_link.TrainerLink   the trainer's end: peer table, dedup, acks, commits
+    trainer_link.TrainerLink   the trainer's end: peer table, dedup, acks, commits;
+                               its parts in trainer_reader, trainer_peers,
+                               trainer_groups, trainer_credits, trainer_control
     peers                      what a node may register as; the peer table's records
     zap                        the trainer's CurveZMQ handler: which key connects as which node
     actor_link.ActorLink       an actor's end: outbox kept until commit, resends
