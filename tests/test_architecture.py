@@ -4,6 +4,7 @@ no module of ``rlnode/`` takes part in an import cycle, lazy imports inside
 functions included (a cycle makes one part impossible to import, change or
 test without the others)."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -76,3 +77,18 @@ def test_the_import_contracts_are_kept():
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     assert "Contracts: 2 kept, 0 broken." in r.stdout
+
+
+def test_every_logger_comes_from_rlnode_log():
+    """Our events go through ``rlnode.log.get_logger`` (one configuration,
+    the version and context stamped on each): no module of ``rlnode/`` but
+    ``log.py`` touches structlog or names a stdlib logger after itself
+    (``logging.getLogger`` is for vLLM's loggers, to quiet or filter them)."""
+    own_stdlib = re.compile(r"logging\.getLogger\((__name__|[\"']rlnode)")
+    offenders = []
+    for path in sorted((ROOT / "rlnode").rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if (rel != "rlnode/log.py" and "structlog" in line) or own_stdlib.search(line):
+                offenders.append(f"{rel}:{n}: {line.strip()}")
+    assert offenders == []

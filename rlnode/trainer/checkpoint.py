@@ -26,9 +26,9 @@ from typing import Any
 
 import msgspec
 import numpy as np
-import structlog
 import torch
 
+from rlnode.log import get_logger
 from rlnode.trainer.metrics import strict_record
 from rlnode.trainer.state_io import load_state, save_state
 
@@ -36,7 +36,7 @@ TRAINER_STATE = "trainer_state"  # optimizer, lr scheduler, RNG: safetensors + J
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja", "generation_config.json")
 
-log = structlog.get_logger("rlnode.trainer")
+log = get_logger("rlnode.trainer")
 
 
 def _fsync_tree(path: Path) -> None:

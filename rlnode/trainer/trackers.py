@@ -20,11 +20,10 @@ import importlib.util
 from pathlib import Path
 from typing import Any, Protocol
 
-import structlog
-
 from rlnode.config import Config, ConfigError
+from rlnode.log import get_logger
 
-log = structlog.get_logger("rlnode.trainer")
+log = get_logger("rlnode.trainer")
 
 
 class TrackerSink(Protocol):
