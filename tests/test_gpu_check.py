@@ -25,7 +25,7 @@ def test_the_plan_names_every_step_and_marks_the_cuda_ones():
                      "weights_nccl_untied  [cuda only]", "weights_nccl_tied  [cuda only]",
                      "weights_cuda_ipc_untied  [cuda only]", "weights_cuda_ipc_tied  [cuda only]",
                      "trainer_qwen3-0.6b  [cuda only]", "trainer_qwen3-1.7b  [cuda only]",
-                     "trainer_tiny", "gateway", "run"]
+                     "trainer_tiny", "gateway", "gateway_capacity", "run"]
     assert "--backend cuda_ipc" in out.stdout and "--preset qwen3-1.7b" in out.stdout
     assert "trainer.max_steps=20" in out.stdout
     assert "bench gateway" in out.stdout and "--max-tokens 1" in out.stdout

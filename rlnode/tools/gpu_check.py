@@ -113,6 +113,17 @@ def plan(device: str, work: Path) -> list[Step]:
                                           "--max-tokens", "1", "--rounds", "3", "--json",
                                           "--agent-isolation", "bwrap" if shutil.which("bwrap") else "none")],
                       timeout_s=240))
+    # Issue 35's capacity goal (3,000 calls/s per node, <= 0.3 ms of daemon
+    # loop per call) where there are cores for it: the null engine (no
+    # model), agents unsandboxed (the gateway's figures, not bubblewrap's),
+    # four gateway host processes.
+    steps.append(Step("gateway_capacity", [_rlnode("bench", "gateway", *base,
+                                                   *_device_sets(device, tiny, str(work / "gateway")),
+                                                   "--engine", "null", "--gateway-host", "process",
+                                                   "--gateway-hosts", "4", "--concurrency", "256",
+                                                   "--requests", "1024", "--max-tokens", "1", "--rounds", "3",
+                                                   "--agent-isolation", "none", "--json")],
+                      timeout_s=300))
     run_dir = str(work / "run")
     steps.append(Step("run", [_rlnode("--role", "all", *base, *_device_sets(device, tiny, run_dir),
                                       "--set", "trainer.max_steps=20", "--run-dir", run_dir,
