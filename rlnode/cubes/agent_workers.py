@@ -30,11 +30,11 @@ rlimit (``limits.cpu_s``) retires: it takes no new episode, ends when its
 last one has, and a fresh one takes its place.
 
 Protocol: msgspec Structs in length-prefixed msgpack frames over the
-socket pair (``_Frames``). Never pickle: what a worker sends is the agent's
-(the policy's) doing, and unpickling it would run its code in the daemon.
-The daemon reads without blocking (a worker that sends half a frame holds
-nothing), refuses a frame over ``MAX_FRAME_BYTES`` or one that does not
-decode, and then drops the worker.
+socket pair (``_Frames``, ``rlnode/frames.py``). Never pickle: what a
+worker sends is the agent's (the policy's) doing, and unpickling it would
+run its code in the daemon. The daemon reads without blocking (a worker
+that sends half a frame holds nothing), refuses a frame over
+``MAX_FRAME_BYTES`` or one that does not decode, and then drops the worker.
     daemon -> worker: Run(id, task, base_url, api_key) | Cancel(id) | Stop()
     worker -> daemon: Ready() | LoadError(message) at start;
                       Done(id, value) | Failed(id, message) per episode (value:
@@ -51,7 +51,6 @@ import itertools
 import os
 import signal
 import socket
-import struct
 import sys
 from pathlib import Path
 from typing import Any, Callable, Union
@@ -63,6 +62,7 @@ from rlnode.config import ConfigError
 from rlnode.cubes import agent_sandbox
 from rlnode.cubes.agent_sandbox import AgentLimits, GatewayRelay
 from rlnode.cubes.base import AgentEndpoint, CubeError
+from rlnode.frames import FrameProtocol
 from rlnode.log import get_logger
 
 log = get_logger("rlnode.cubes.agent_workers")
@@ -126,66 +126,21 @@ class Retire(_Msg):
 
 ToWorker = Union[Run, Cancel, Stop]
 FromWorker = Union[Ready, LoadError, Done, Failed, Retire]
-_LEN = struct.Struct(">I")
 
 
-class _Frames(asyncio.Protocol):
-    """One end of the socket pair: ``send`` queues a message on the
-    transport (never blocks); ``on_message`` gets each one that arrives,
-    ``on_lost`` the reason once when the peer is gone or broke the protocol
-    (a frame too large, one that does not decode: the transport is then
-    aborted)."""
+class _Frames(FrameProtocol):
+    """One end of the socket pair: ``send`` writes a message as one frame
+    (never blocks); ``on_message`` gets each one that arrives, ``on_lost``
+    the reason once (``rlnode/frames.py``: a frame too large or one that
+    does not decode aborts the transport)."""
 
     def __init__(self, incoming: Any, on_message: Callable[[Any], None], on_lost: Callable[[str], None]):
-        self._decode = msgspec.msgpack.Decoder(incoming).decode
+        super().__init__(incoming, on_message, on_lost, MAX_FRAME_BYTES, "the agent worker's channel")
         self._encode = msgspec.msgpack.Encoder().encode
-        self.on_message, self.on_lost = on_message, on_lost
-        self._buf = bytearray()
-        self._transport: asyncio.Transport | None = None
-        self._lost = False
-
-    def connection_made(self, transport) -> None:
-        self._transport = transport
-
-    def data_received(self, data: bytes) -> None:
-        self._buf += data
-        while len(self._buf) >= 4 and not self._lost:
-            (n,) = _LEN.unpack_from(self._buf)
-            if n > MAX_FRAME_BYTES:
-                self._fail(f"a frame of {n} bytes (at most {MAX_FRAME_BYTES})")
-                return
-            if len(self._buf) < 4 + n:
-                return
-            body = bytes(self._buf[4:4 + n])
-            del self._buf[:4 + n]
-            try:
-                msg = self._decode(body)
-            except (msgspec.DecodeError, msgspec.ValidationError) as e:
-                self._fail(f"a frame that does not decode: {e}")
-                return
-            self.on_message(msg)
-
-    def connection_lost(self, exc) -> None:
-        if not self._lost:
-            self._lost = True
-            self.on_lost(f"the agent worker's channel closed ({exc!r})" if exc else "the agent worker's channel closed")
 
     def send(self, msg: Any) -> None:
         """Raises TypeError/msgspec.EncodeError for what msgpack cannot carry."""
-        body = self._encode(msg)
-        if not self._lost and self._transport is not None and not self._transport.is_closing():
-            self._transport.write(_LEN.pack(len(body)) + body)
-
-    def _fail(self, why: str) -> None:
-        if self._transport is not None:
-            self._transport.abort()
-        if not self._lost:
-            self._lost = True
-            self.on_lost(why)
-
-    def close(self) -> None:
-        if self._transport is not None:
-            self._transport.close()
+        self.write_frame(self._encode(msg))
 
 
 class AgentWorkerError(CubeError):

@@ -19,20 +19,20 @@ the lease, runs the engine and records what the engine was given and
 returned. Samples are built from that record alone: the host never sends
 completion ids, logprobs or versions, it only receives them.
 
-Frames: ``u32 big-endian length | msgpack list of messages``. Whatever is
-ready when the loop comes round goes out as one frame (``Channel.send``
-queues; one flush per loop iteration).
+Frames (``rlnode/frames.py``): ``u32 big-endian length | msgpack list of
+messages``. Whatever is ready when the loop comes round goes out as one
+frame (``Channel.send`` queues; one flush per loop iteration).
 """
 
 from __future__ import annotations
 
 import asyncio
-import struct
 from typing import Callable, Union
 
 import msgspec
 
-_LEN = struct.Struct(">I")
+from rlnode.frames import FrameProtocol
+
 MAX_FRAME_BYTES = 1 << 30  # a frame carries whole prompts (up to max_model_len ids per call)
 
 
@@ -209,7 +209,7 @@ ToHost = Union[HostStart, OpenSession, CloseSession, Settle, Tokens, Generated, 
 ToDaemon = Union[HostReady, HostFailed, Generate, Abort, Unsent, EnvCall, SessionState, HostStats, PostReward]
 
 
-class Channel(asyncio.Protocol):
+class Channel(FrameProtocol):
     """One end of the channel. Delivery: in order, each message once, while
     the connection lives; no acknowledgement (the protocol's answers are
     its acknowledgements) and no high-water mark (what is queued is bounded
@@ -219,58 +219,19 @@ class Channel(asyncio.Protocol):
     """
 
     def __init__(self, incoming: type, on_messages: Callable[[list], None], on_lost: Callable[[str], None]):
-        self._decoder = msgspec.msgpack.Decoder(list[incoming])
+        super().__init__(list[incoming], on_messages, on_lost, MAX_FRAME_BYTES)
         self._encoder = msgspec.msgpack.Encoder()
-        self.on_messages, self.on_lost = on_messages, on_lost
-        self._buf = bytearray()
         self._out: list = []
-        self._transport: asyncio.Transport | None = None
-        self._lost = False
-        self.frames_in = self.frames_out = 0
+
+    @property
+    def on_messages(self) -> Callable[[list], None]:
+        return self.on_decoded
 
     @classmethod
     async def connect(cls, sock, incoming: type, on_messages, on_lost) -> "Channel":
         loop = asyncio.get_running_loop()
         _, proto = await loop.create_unix_connection(lambda: cls(incoming, on_messages, on_lost), sock=sock)
         return proto
-
-    # -- asyncio.Protocol -----------------------------------------------------
-
-    def connection_made(self, transport) -> None:
-        self._transport = transport
-
-    def data_received(self, data: bytes) -> None:
-        if self._buf:  # the rest of a frame that began in an earlier read
-            self._buf += data
-            data = bytes(self._buf)
-            self._buf.clear()
-        view, pos, end = memoryview(data), 0, len(data)
-        while end - pos >= 4:
-            (n,) = _LEN.unpack_from(data, pos)
-            if n > MAX_FRAME_BYTES:
-                self._fail(f"frame of {n} bytes")
-                return
-            if end - pos - 4 < n:
-                break
-            try:
-                msgs = self._decoder.decode(view[pos + 4:pos + 4 + n])
-            except msgspec.DecodeError as e:
-                self._fail(f"undecodable frame: {e}")
-                return
-            pos += 4 + n
-            self.frames_in += 1
-            self.on_messages(msgs)
-            if self._lost:
-                return
-        if pos < end:
-            self._buf += view[pos:]
-
-    def connection_lost(self, exc) -> None:
-        if not self._lost:
-            self._lost = True
-            self.on_lost(f"channel closed ({exc!r})" if exc else "channel closed")
-
-    # -- sending --------------------------------------------------------------
 
     def send(self, msg) -> None:
         """Queue ``msg``; everything queued in this loop iteration leaves as
@@ -283,20 +244,9 @@ class Channel(asyncio.Protocol):
 
     def _flush(self) -> None:
         out, self._out = self._out, []
-        if not out or self._lost or self._transport is None or self._transport.is_closing():
-            return
-        body = self._encoder.encode(out)
-        self._transport.write(_LEN.pack(len(body)) + body)
-        self.frames_out += 1
-
-    def _fail(self, why: str) -> None:
-        if self._transport is not None:
-            self._transport.abort()
-        if not self._lost:
-            self._lost = True
-            self.on_lost(why)
+        if out:
+            self.write_frame(self._encoder.encode(out))
 
     def close(self) -> None:
-        if self._transport is not None:
-            self._flush()
-            self._transport.close()
+        self._flush()
+        super().close()
