@@ -4,7 +4,7 @@ Where a sample lives, by folder:
   actor/    born: engine (generation), router (admission leases), later the
             scheduler and episode coroutines that turn cube tasks into samples
   trainer/  consumed: buffer, loss, optimizer, weight broadcast, checkpoints
-  config.py the typed knobs of every role; cli.py the entry point.
+  config/   the typed knobs of every role; cli.py the entry point.
 """
 
 __version__ = "0.1.0"

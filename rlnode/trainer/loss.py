@@ -2,8 +2,9 @@
 
 Owns: the formulas below, and nothing else. No model, optimizer or I/O: the
 trainer computes log pi_theta, builds one LossInputs per micro-batch, calls
-policy_loss and backprops `loss`. Knobs and defaults live in config.py
-(LossConfig, AdvantageConfig); this file must not invent its own.
+policy_loss and backprops `loss`. Knobs and defaults live in
+rlnode/config/trainer.py (LossConfig, AdvantageConfig); this file must not
+invent its own.
 
 Notation. One sample i = one LLM call (prompt + completion); t = a completion
 token of it. Every LLM call of an episode carries the episode's advantage A.

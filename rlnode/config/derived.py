@@ -1,0 +1,29 @@
+"""Values read off a loaded config that more than one component needs, in
+one place so that the actor and the trainer compute them alike.
+
+Owns no knob and no rule (checks.py). Must not import torch or vllm.
+"""
+
+from __future__ import annotations
+
+import os
+
+from rlnode.config.sections import Config
+
+
+def groups_in_flight(cfg: Config) -> int:
+    """How many groups an actor asks credits for (``max_groups_in_flight``)."""
+    s = cfg.actor.scheduler
+    return s.max_groups_in_flight or max(1, -(-s.max_concurrent_episodes // s.attempts))
+
+
+def actor_node_id(cfg: Config) -> str:
+    """This actor's node id: actor.node_id, else the hostname ("/" is the
+    link identity's separator, so it never appears in one)."""
+    return (cfg.actor.node_id or os.uname().nodename).replace("/", "-")
+
+
+def effective_max_lag(cfg: Config) -> int:
+    """The staleness budget both roles apply: ``trainer.sync`` means 0 (train
+    only on the current version; generation waits for each update)."""
+    return 0 if cfg.trainer.sync else cfg.actor.scheduler.max_lag
