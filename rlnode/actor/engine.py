@@ -10,6 +10,11 @@ settings (KV cache size, OpenMP binding; docs/design/vllm-cpu.md) are applied on
 engine runs on CPU. Differences between vLLM releases are handled in
 ``vllm_compat`` (the supported range is checked when an engine starts).
 
+Around it: ``engine_types`` (what callers pass and get back),
+``engine_env`` (device, GPUs, process environment, vLLM's arguments),
+``engine_scratch`` (the processes' scratch directory), ``engine_guard``
+(the processes end with this one). Their names are importable from here.
+
 GPU nodes: engine i runs on ``engine_gpu_assignment(cfg, visible)[i]`` (set
 through CUDA_VISIBLE_DEVICES of its engine core process), and vLLM starts
 its processes with ``spawn`` (see ``engine_process_env``).
@@ -24,15 +29,18 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import contextlib
-import os
-import threading
 import time
 from typing import TYPE_CHECKING, Callable, Sequence
 
-import msgspec
-
 from rlnode.actor import engine_guard, vllm_compat
+from rlnode.actor.engine_env import (
+    apply_cpu_env, build_engine_args, cpu_env, cuda_env, engine_gpu_assignment, engine_process_env,
+    engine_visible_gpus, fp32_lm_head_enabled, fp32_precision_env, resolve_device,
+)
+from rlnode.actor.engine_scratch import (
+    SCRATCH_PREFIX, inductor_home, make_engine_scratch, scratch_env, sweep_dead_dirs, sweep_engine_scratch,
+)
+from rlnode.actor.engine_types import Completion, EngineError, SamplingSettings
 from rlnode.config import EngineConfig, ModelConfig
 from rlnode.log import get_logger
 from rlnode.wire import INITIAL_WEIGHTS, parse_weights_label
@@ -40,34 +48,15 @@ from rlnode.wire import INITIAL_WEIGHTS, parse_weights_label
 if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
 
+# Importable from here, where they lived before the split (callers and tests).
+__all__ = [
+    "SCRATCH_PREFIX", "Completion", "Engine", "EngineError", "SamplingSettings", "apply_cpu_env",
+    "build_engine_args", "cache_salt", "cpu_env", "cuda_env", "engine_gpu_assignment", "engine_process_env",
+    "engine_visible_gpus", "fp32_lm_head_enabled", "fp32_precision_env", "inductor_home", "make_engine_scratch",
+    "resolve_device", "scratch_env", "sweep_dead_dirs", "sweep_engine_scratch",
+]
+
 log = get_logger("rlnode.engine")
-
-
-class SamplingSettings(msgspec.Struct, frozen=True, omit_defaults=True):
-    """Per-call sampling (actor-side; never crosses the network as-is)."""
-
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    # Generate exactly max_tokens (benchmarks); never used for training.
-    ignore_eos: bool = False
-
-
-class Completion(msgspec.Struct, array_like=True, omit_defaults=True):
-    """What one generation produced: engine -> episode."""
-
-    token_ids: list[int]
-    logprobs: list[float]  # logprob of each sampled token under the sampling distribution
-    finish_reason: str  # "stop" | "length" | "abort"
-    # Policy versions that produced the tokens: [(version, start, end), ...]
-    weight_versions: list[tuple[str, int, int]] = []
-
-
-class EngineError(RuntimeError):
-    """A generation failed inside the engine (recoverable for the caller:
-    the episode may retry; the daemon keeps running)."""
 
 
 def cache_salt(label: str) -> str:
@@ -79,306 +68,6 @@ def cache_salt(label: str) -> str:
         return f"rlnode-{label}"
     version, source = parsed
     return f"rlnode-{source}-v{version}" if source else f"rlnode-v{version}"
-
-
-def resolve_device(device: str) -> str:
-    if device != "auto":
-        return device
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def fp32_lm_head_enabled(cfg: EngineConfig, model: ModelConfig) -> bool:
-    """``actor.engine.fp32_lm_head`` resolved ("auto": cuda engines with a
-    low-precision model; see the field's comment)."""
-    if cfg.fp32_lm_head != "auto":
-        return bool(cfg.fp32_lm_head)
-    return resolve_device(cfg.device) == "cuda" and model.dtype != "float32"
-
-
-def cpu_env(cfg: EngineConfig) -> dict[str, str]:
-    """What vllm-cpu reads from the environment of its engine process."""
-    return {
-        "VLLM_CPU_KVCACHE_SPACE": str(cfg.cpu_kv_cache_gib),
-        "VLLM_CPU_OMP_THREADS_BIND": cfg.cpu_omp_threads_bind,
-    }
-
-
-def apply_cpu_env(cfg: EngineConfig) -> None:
-    """The engine process inherits our environment. Set only on CPU hosts,
-    only where the operator has not set a value already."""
-    for key, value in cpu_env(cfg).items():
-        os.environ.setdefault(key, value)
-
-
-def engine_gpu_assignment(cfg: EngineConfig, visible: int) -> list[list[int]]:
-    """The GPUs (indices among the ``visible`` ones) each engine takes:
-    engine i gets ``tensor_parallel_size`` consecutive entries of
-    ``cfg.gpu_ids`` (default 0..visible-1). ValueError when they do not fit.
-    Engines may share a GPU (``gpu_ids: [0, 0]``); the ranks of one engine
-    may not (NCCL refuses two ranks on one device, docs/design/gpu-h100.md)."""
-    tp, n = cfg.tensor_parallel_size, cfg.num_engines
-    ids = list(cfg.gpu_ids) or list(range(visible))
-    bad = [i for i in ids if not 0 <= i < visible]
-    if bad:
-        raise ValueError(f"actor.engine.gpu_ids {cfg.gpu_ids}: {bad} not among the {visible} visible GPUs "
-                         f"(indices 0..{visible - 1}, counted inside CUDA_VISIBLE_DEVICES)")
-    if len(ids) < n * tp:
-        src = f"actor.engine.gpu_ids {cfg.gpu_ids}" if cfg.gpu_ids else f"{visible} visible GPUs"
-        raise ValueError(f"actor.engine: num_engines {n} x tensor_parallel_size {tp} = {n * tp} GPUs "
-                         f"needed, {src} give {len(ids)}")
-    slices = [ids[i * tp:(i + 1) * tp] for i in range(n)]
-    for i, s in enumerate(slices):
-        if len(set(s)) != len(s):
-            raise ValueError(f"actor.engine.gpu_ids {cfg.gpu_ids}: engine {i} would put two of its "
-                             f"tensor-parallel ranks on one GPU ({s})")
-    return slices
-
-
-# The engine core inherits os.environ when it is started; engines start from
-# executor threads, so a change made for one engine is held under this lock
-# until its processes exist and then undone.
-_ENV_LOCK = threading.Lock()
-
-
-@contextlib.contextmanager
-def engine_process_env(gpus: list[int] | None, extra: dict[str, str] | None = None,
-                       scratch: str | None = None):
-    """What an engine's processes need in their environment, in os.environ
-    while the engine is built (its processes copy it), restored afterwards:
-    ``cuda_env(gpus)`` on GPU hosts (nothing of it when ``gpus`` is None, on
-    CPU), ``extra`` where the operator has not set a value, and the
-    engine's scratch directory (``scratch_env``) when one is given. The
-    environment is read and changed under one lock: another build's
-    temporary CUDA_VISIBLE_DEVICES is never mistaken for ours."""
-    if gpus is None and scratch is None:
-        yield
-        return
-    with _ENV_LOCK:
-        env = dict(cuda_env(gpus), **{k: v for k, v in (extra or {}).items() if k not in os.environ}) \
-            if gpus is not None else {}
-        env.update(scratch_env(scratch) if scratch is not None else {})
-        log.info("engine.process_env", env=env)
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
-            yield
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-
-
-# vLLM's processes leave files behind in the temporary directory: a ZeroMQ
-# socket per IPC channel (``VLLM_RPC_BASE_PATH``/<uuid>, several per engine
-# start) and gloo's ``vllm_dist_<hex>`` rendezvous file. Nothing removes them
-# once a process is killed, and an engine's own shutdown does not remove them
-# all either: a host that restarts its actor for weeks fills /tmp with
-# thousands (3,000 were counted on one test machine). Each engine therefore
-# gets a scratch directory of its own, named after the daemon's pid, which
-# its processes use as RPC base path and TMPDIR; the engine removes it when
-# it has shut down, and an engine start removes those of daemons that are
-# gone (killed -9: nothing of theirs ran at exit).
-SCRATCH_PREFIX = "rlnode-engine-"
-# A unix socket's path is at most 107 bytes; vLLM appends "/<uuid4>" (37).
-_MAX_SOCKET_PATH = 107
-
-
-def inductor_home() -> str:
-    """Torch Inductor's default cache directory as this process sees it,
-    ``<temporary directory>/torchinductor_<user>`` (the same rule as torch's
-    ``cache_dir_utils.default_cache_dir``), before an engine's TMPDIR moves it."""
-    import getpass
-    import re
-    import tempfile
-
-    try:
-        user = getpass.getuser()
-    except (KeyError, OSError):
-        user = f"uid_{os.getuid()}"
-    return os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
-
-
-def scratch_env(scratch: str) -> dict[str, str]:
-    """The engine processes' environment for their scratch directory. Torch
-    Inductor's compile cache stays where it was (it defaults to TMPDIR, and
-    a cache removed with every engine would recompile at every start); its
-    precompiled headers follow TMPDIR whatever the cache says, and
-    make_engine_scratch links them back (see there)."""
-    env = {"VLLM_RPC_BASE_PATH": scratch, "TMPDIR": scratch}
-    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
-        env["TORCHINDUCTOR_CACHE_DIR"] = inductor_home()
-    return env
-
-
-def make_engine_scratch(engine_id: int) -> str:
-    """A new scratch directory for engine ``engine_id`` of this process,
-    under the operator's VLLM_RPC_BASE_PATH when set, else the temporary
-    directory. ValueError when vLLM's socket paths would not fit in it."""
-    import tempfile
-
-    tempfile.gettempdir()  # cached now, so our engine's TMPDIR never becomes this process's
-    parent = os.environ.get("VLLM_RPC_BASE_PATH") or tempfile.gettempdir()
-    sweep_engine_scratch(parent)
-    path = tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-{engine_id}-", dir=parent)
-    if len(os.fsencode(path)) + 37 > _MAX_SOCKET_PATH:
-        os.rmdir(path)
-        raise ValueError(f"engine scratch directory {path!r} is too long for vLLM's unix sockets "
-                         f"(at most {_MAX_SOCKET_PATH - 37} bytes): set TMPDIR or VLLM_RPC_BASE_PATH "
-                         f"to a shorter directory")
-    # Inductor keeps its precompiled C++ header under <TMPDIR>/torchinductor_
-    # <user>/precompiled_headers (codecache._HEADER_DIR: deliberately not
-    # TORCHINDUCTOR_CACHE_DIR), and the engine's first CPU step builds it when
-    # it is missing: 15 s of g++ on 2 idle cores, over 30 s under load, while
-    # the engine core answers nothing, weight pushes included (a 30 s push
-    # timeout failed in CI that way). In a scratch removed with its engine,
-    # every engine start paid it again. This link puts the header where it
-    # would be without our TMPDIR, shared by every engine start; rmtree
-    # removes a link, not what it points to.
-    home = inductor_home()
-    try:
-        os.makedirs(home, exist_ok=True)
-        os.symlink(home, os.path.join(path, os.path.basename(home)), target_is_directory=True)
-    except OSError as e:  # slower first steps, nothing worse
-        log.warning("engine.inductor_header_not_shared", home=home, error=repr(e))
-    return path
-
-
-def sweep_engine_scratch(parent: str) -> list[str]:
-    """Remove the scratch directories under ``parent`` whose daemon is no
-    longer running (its pid is gone). Returns what was removed."""
-    removed = sweep_dead_dirs(parent, SCRATCH_PREFIX)
-    if removed:
-        log.info("engine.scratch_swept", removed=removed)
-    return removed
-
-
-def sweep_dead_dirs(parent: str, prefix: str) -> list[str]:
-    """Remove the directories ``prefix<pid>-...`` under ``parent`` whose
-    process is gone (a daemon killed with -9 never removes its own)."""
-    import shutil
-
-    removed = []
-    try:
-        names = os.listdir(parent)
-    except OSError:
-        return removed
-    for name in names:
-        if not name.startswith(prefix):
-            continue
-        pid = name[len(prefix):].split("-", 1)[0]
-        if not pid.isdigit() or int(pid) == os.getpid() or _pid_alive(int(pid)):
-            continue
-        shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
-        removed.append(name)
-    return removed
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's process
-    return True
-
-
-def cuda_env(gpus: list[int]) -> dict[str, str]:
-    """The engine process environment on a GPU node.
-
-    ``spawn``: a process forked after CUDA was initialised cannot use CUDA
-    ("CUDA error: initialization error", docs/design/gpu-h100.md), and the daemon's
-    process may hold CUDA (``--role all`` trains in it; torch initialises
-    CUDA on first use). Spawned processes start clean; always spawning
-    keeps the behaviour independent of what ran before.
-    CUDA_VISIBLE_DEVICES: the engine's GPUs, mapped through our own
-    CUDA_VISIBLE_DEVICES when one is set (``gpus`` index the visible set).
-    """
-    parent = os.environ.get("CUDA_VISIBLE_DEVICES")
-    physical = [d.strip() for d in parent.split(",")] if parent else None
-    return {
-        "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
-        "CUDA_VISIBLE_DEVICES": ",".join(physical[g] if physical else str(g) for g in gpus),
-    }
-
-
-def engine_visible_gpus(gpus: list[int] | None) -> tuple[str, ...]:
-    """UUIDs of the GPUs an engine started with ``cuda_env(gpus)`` sees: the
-    same for every one of its worker ranks (vLLM's workers inherit the
-    engine's CUDA_VISIBLE_DEVICES and pick their device inside it). Read
-    through NVML, so this process creates no CUDA context. () on CPU, or
-    when NVML cannot say: the trainer then sends weights over NCCL rather
-    than lend it memory it may not be able to open."""
-    from rlnode.weights import ipc as weight_ipc
-
-    if gpus is None:
-        return ()
-    try:
-        physical = weight_ipc.nvml_gpu_uuids()
-    except Exception as e:  # noqa: BLE001 - no NVML: reported as unknown
-        log.warning("engine.gpu_uuids_unknown", error=repr(e))
-        return ()
-    return weight_ipc.visible_gpus(cuda_env(gpus)["CUDA_VISIBLE_DEVICES"], physical)
-
-
-def fp32_precision_env(cfg: EngineConfig, model: ModelConfig) -> dict[str, str]:
-    """cuda engines with an fp32 model: Triton's default precision for fp32
-    dot products (``actor.engine.fp32_dot_precision``). vLLM's Triton
-    attention kernels call ``tl.dot`` without ``input_precision``, which is
-    TF32 on Ampere and newer: 10-bit mantissas inside attention, the likely
-    cause of the 3.4e-4 fp32 logprob gap measured on an H100 (docs/design/gpu-h100.md)
-    where CPU gives ~1e-6. vLLM's own matmuls are already "highest"
-    (VLLM_FLOAT32_MATMUL_PRECISION). An operator's own TRITON_F32_DEFAULT wins."""
-    if model.dtype != "float32":
-        return {}
-    return {"TRITON_F32_DEFAULT": cfg.fp32_dot_precision}
-
-
-def build_engine_args(
-    model: ModelConfig,
-    cfg: EngineConfig,
-    engine_index: int = 0,
-    worker_extension_cls: str | None = None,
-):
-    """The ``AsyncEngineArgs`` for engine ``engine_index`` (also used by the
-    benchmark to start ``vllm serve`` with the same settings)."""
-    from vllm.engine.arg_utils import AsyncEngineArgs
-
-    device = resolve_device(cfg.device)
-    kwargs = dict(
-        model=model.path,
-        tokenizer=model.tokenizer or model.path,
-        dtype=model.dtype,
-        max_model_len=model.max_model_len,
-        enforce_eager=cfg.enforce_eager,
-        enable_prefix_caching=cfg.enable_prefix_caching,
-        max_num_seqs=cfg.max_num_seqs,
-        seed=cfg.seed + engine_index,
-        logprobs_mode="processed_logprobs",
-        tensor_parallel_size=cfg.tensor_parallel_size,
-        disable_log_stats=True,
-    )
-    if device == "cuda":
-        kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
-    else:
-        # Every request carries its own sampling seed (episode.request_seed).
-        # vLLM rewinds a seeded request's generator after a partial-prefill
-        # step (Generator.set_offset), which CPU generators do not support:
-        # the engine core dies ("CPU Generator does not use offset") once a
-        # prompt is split across steps. On CPU, prompts are prefilled whole.
-        kwargs["enable_chunked_prefill"] = False
-        kwargs["max_num_batched_tokens"] = max(model.max_model_len, 2048)
-    if not vllm_compat.api().cache_salt:
-        # Without a per-version cache salt (Engine.generate), a request after
-        # an update could reuse KV computed by older weights.
-        kwargs["enable_prefix_caching"] = False
-    if worker_extension_cls:
-        kwargs["worker_extension_cls"] = worker_extension_cls
-    return AsyncEngineArgs(**kwargs)
 
 
 class Engine:
