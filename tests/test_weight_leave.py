@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from conftest import reference_logprobs
-from test_weights import _engine_rig, _sync_cfg, _train_a_little
+from test_weights import _engine_rig, _sync_cfg, _train_a_little, leave_group
 from rlnode.weights.broadcast import WeightBroadcaster, update_tensors
 from rlnode.weights.plan import TransferError
 
@@ -56,7 +56,7 @@ async def _serves(engine, model, prompts, bound_s: float | None = BOUND_S) -> fl
 
 
 async def test_join_and_leave_with_a_receive_stuck_return_at_once_and_generation_goes_on(tmp_path, engine_config):
-    from rlnode.actor.weight_receiver import apply_weight_update, engine_num_ranks, join_group, leave_group
+    from rlnode.actor.weight_receiver import apply_weight_update, engine_num_ranks, join_group
     from rlnode.tiny_model import build_tiny_model
 
     path = build_tiny_model(tmp_path / "model", tie_embeddings=False, seed=5)
@@ -98,4 +98,4 @@ async def test_join_and_leave_with_a_receive_stuck_return_at_once_and_generation
             # The silent trainer closes its ends: the stuck collectives fail
             # and the worker's threads close the groups they were handed.
             with contextlib.suppress(Exception):
-                await new.close_group_async()
+                await asyncio.to_thread(new.close_group)

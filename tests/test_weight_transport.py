@@ -170,12 +170,14 @@ def _mismatched(engine_digest: dict, tensors) -> list[str]:
 @pytest.mark.engine
 async def test_engine_holds_bitwise_what_was_sent_and_digest_finds_a_corrupted_weight(fp32_rig):
     from rlnode.actor.engine import SamplingSettings
-    from rlnode.actor.weight_receiver import _rpc, weight_digest_of
-
     engine, bc, hf = fp32_rig
+
+    async def weight_digest_of(engine) -> dict[str, tuple[float, float, str]]:  # worker 0's
+        return (await engine.llm.collective_rpc("rlnode_weight_digest"))[0]
+
     # The fp32 head (an fp32 copy of an fp32 weight here): the digest reads
     # lm_head.weight through it, so a copy not refreshed by a load shows.
-    assert await _rpc(engine, "rlnode_fp32_lm_head", True) == [True]
+    assert await engine.llm.collective_rpc("rlnode_fp32_lm_head", args=(True,)) == [True]
     gen = torch.Generator().manual_seed(0)
     long = asyncio.ensure_future(engine.generate(list(range(40, 90)), SamplingSettings(max_tokens=200, ignore_eos=True)))
     for version in (1, 2, 3):  # in flight: the long request decodes throughout
@@ -211,7 +213,7 @@ async def test_fp32_lm_head_brings_a_bf16_engine_closer_to_an_fp32_head(tmp_path
     from transformers import AutoModelForCausalLM
 
     from rlnode.actor.engine import Engine, SamplingSettings
-    from rlnode.actor.weight_receiver import EXTENSION, _rpc, prepare_engine
+    from rlnode.actor.weight_receiver import EXTENSION, prepare_engine
     from rlnode.tiny_model import build_tiny_model
 
     path = build_tiny_model(tmp_path, tie_embeddings=False, seed=11)
@@ -237,7 +239,7 @@ async def test_fp32_lm_head_brings_a_bf16_engine_closer_to_an_fp32_head(tmp_path
                               for p, c in zip(prompts, outs)]).mean().item()
 
         with_fp32 = await diff()
-        assert await _rpc(engine, "rlnode_fp32_lm_head", False) == [False]
+        assert await engine.llm.collective_rpc("rlnode_fp32_lm_head", args=(False,)) == [False]
         without = await diff()
         print(f"bf16 engine vs fp32-head reference: fp32_lm_head {with_fp32:.3e}, bf16 head {without:.3e}")
         assert with_fp32 < without, (with_fp32, without)

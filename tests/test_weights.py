@@ -237,6 +237,12 @@ async def rig(request, tmp_path_factory, engine_config):
         yield rig
 
 
+async def leave_group(engine) -> None:
+    """The engine's workers leave their group (the worker RPC rlnode_leave;
+    the actor daemon never calls it alone: joining an epoch leaves the last)."""
+    await engine.llm.collective_rpc("rlnode_leave")
+
+
 def _train_a_little(model: torch.nn.Module, seed: int) -> None:
     """A few Adam steps on random sequences: every tensor moves (the tied
     embedding through both of its uses)."""
@@ -345,12 +351,12 @@ async def test_mismatched_plan_is_rejected_and_engine_keeps_old_weights(rig):
 
 @pytest.mark.engine
 async def test_new_epoch_on_a_new_port_carries_the_next_update(rig):
-    from rlnode.actor.weight_receiver import apply_weight_update, engine_num_ranks, join_group, leave_group
+    from rlnode.actor.weight_receiver import apply_weight_update, engine_num_ranks, join_group
 
     old = rig.bc.spec
     stale_tensors = update_tensors(rig.hf)
     stale = rig.bc.plan(stale_tensors, rig.version + 1)
-    await rig.bc.close_group_async()
+    await asyncio.to_thread(rig.bc.close_group)
     await leave_group(rig.engine)
     spec = rig.bc.new_epoch([("node/0", engine_num_ranks(rig.engine))])
     assert spec.epoch == old.epoch + 1 and spec.master_port != old.master_port

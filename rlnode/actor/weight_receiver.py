@@ -3,8 +3,8 @@ of the engine workers that receive the trainer's broadcast and load it
 while the engine keeps its requests. The workers' half runs inside vLLM
 (``rlnode.weights.worker``; engines start with ``EXTENSION``).
 
-``join_group`` / ``apply_weight_update`` / ``leave_group`` drive one
-``Engine`` (STYLE point 8):
+``join_group`` / ``apply_weight_update`` drive one ``Engine`` (STYLE
+point 8); joining an epoch leaves the previous one:
 
     lock -> receive (engine keeps generating) -> pause(keep) -> load
          -> tag version -> resume (in finally) -> log every phase
@@ -56,7 +56,7 @@ from rlnode.weights.plan import (
 )
 from rlnode.weights.worker import EXTENSION
 
-__all__ = ["EXTENSION", "apply_weight_update", "join_group", "leave_group", "load_failure", "prepare_engine",
+__all__ = ["EXTENSION", "apply_weight_update", "join_group", "load_failure", "prepare_engine",
            "probe_engine", "receives_while_generating"]
 
 if TYPE_CHECKING:
@@ -277,11 +277,6 @@ async def prepare_engine(engine: Engine) -> None:
         log.info("engine.fp32_lm_head", engine=engine.engine_id)
 
 
-async def weight_digest_of(engine: Engine) -> dict[str, tuple[float, float, str]]:
-    """The engine's weight digests (worker 0's; see rlnode_weight_digest)."""
-    return (await _rpc(engine, "rlnode_weight_digest"))[0]
-
-
 async def probe_engine(engine: Engine, timeout_s: float) -> None:
     """Return within ``timeout_s`` only if ``engine`` could take a weight
     command now: no join or update holds its lock (one stuck behind a
@@ -296,12 +291,6 @@ async def probe_engine(engine: Engine, timeout_s: float) -> None:
     except TimeoutError:
         raise TransferError(f"engine {engine.engine_id}: no answer within {timeout_s:g} s "
                             "(a weight job in the way, or the engine core does not answer)") from None
-
-
-async def leave_group(engine: Engine) -> None:
-    async with _lock(engine):
-        await _rpc(engine, "rlnode_leave")
-        log.info("weights.left", engine=engine.engine_id)
 
 
 def receives_while_generating(engine: Engine) -> bool:

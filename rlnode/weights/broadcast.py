@@ -450,6 +450,3 @@ class WeightBroadcaster:
 
     async def broadcast_async(self, plan: WeightUpdatePlan, tensors) -> BroadcastStats:
         return await asyncio.to_thread(self.broadcast, plan, list(tensors))
-
-    async def close_group_async(self) -> None:
-        await asyncio.to_thread(self.close_group)
