@@ -187,7 +187,9 @@ def resolve_backend(cfg: WeightSyncConfig, device: str, engines: Sequence[Engine
     return "cuda_ipc", f"every engine runs on this machine and sees the trainer's GPU GPU-{gpu_key(trainer_gpu)}"
 
 
-def _place(actor_id: str, num_ranks: int, host: str = "", gpus: Sequence[str] = ()) -> EnginePlace:
+def _place(actor_id: str, host: str = "", gpus: Sequence[str] = ()) -> EnginePlace:
+    """Where a ``new_epoch`` member runs; its rank count lays out the group,
+    it has no say in the transport."""
     return EnginePlace(actor_id, host, tuple(gpus))
 
 
@@ -247,7 +249,7 @@ class WeightBroadcaster:
         for sock in self._reserved.values():  # specs planned but never opened
             sock.close()
         self._reserved.clear()
-        places = [_place(*m) for m in members]
+        places = [_place(m[0], *m[2:]) for m in members]  # m[1], the rank count: below
         backend, why = resolve_backend(self.cfg, self.device, places, trainer_gpu=self._gpu_uuid())
         if backend == "cuda_ipc":
             self._check_ipc(places)
