@@ -63,3 +63,13 @@ def bind_context(**kv) -> None:
 
 def get_logger(name: str | None = None):
     return structlog.get_logger(name)
+
+
+def log_throttled(emit, event: str, count: int, *, first: int = 10, every: int = 1000, **kv) -> None:
+    """Log the ``count``-th occurrence of a repeated event only while it is
+    news: the first ``first`` of them, then every ``every``-th. ``emit`` is
+    the bound method (``log.warning``, ...); ``count`` goes on the event as
+    ``total``, last. For events a peer can cause at will: a flood of garbage
+    must not become a flood of log lines (the counters keep every one)."""
+    if count <= first or count % every == 0:
+        emit(event, **kv, total=count)

@@ -71,7 +71,7 @@ from typing import Callable, Iterable
 
 import msgspec
 
-from rlnode.log import get_logger
+from rlnode.log import get_logger, log_throttled
 from rlnode.wire import CreditReport
 
 log = get_logger("rlnode.link.credits")
@@ -194,10 +194,9 @@ class CreditLedger:
         # it holds) is an anomaly worth counting and logging.
         if not 0 <= r.want <= MAX_WANT or (started, returned) != (r.started, r.returned):
             self.clamped_reports += 1
-            if self.clamped_reports <= 10 or self.clamped_reports % 1000 == 0:
-                log.warning("credits.report_clamped", peer=peer_id, want=r.want, started=r.started,
-                            returned=r.returned, granted=p.granted, delivered=p.delivered,
-                            max_want=self.max_want, total=self.clamped_reports)
+            log_throttled(log.warning, "credits.report_clamped", self.clamped_reports, peer=peer_id, want=r.want,
+                          started=r.started, returned=r.returned, granted=p.granted, delivered=p.delivered,
+                          max_want=self.max_want)
         if want != p.want or returned > p.returned:
             self._dirty = True
         p.want = want

@@ -17,7 +17,7 @@ from typing import Iterable
 from rlnode.link.consumed import ConsumedIds
 from rlnode.link.peers import PeerInfo, foreign_group_id
 from rlnode.link.validate import validate_group
-from rlnode.log import get_logger
+from rlnode.log import get_logger, log_throttled
 from rlnode.wire import (
     REJECT_BUSY, REJECT_INVALID_GROUP, REJECT_UNKNOWN_GROUP, Ack, Commit, CreditReport, GroupDelivery, Reject,
 )
@@ -136,9 +136,8 @@ class GroupIntake:
         c.invalid_by_reason[reason] = c.invalid_by_reason.get(reason, 0) + 1
         if gid:  # bounded memory: a hostile peer may send endless fresh ids
             self._consumed.add_loose(gid)
-        if c.invalid_groups <= 10 or c.invalid_groups % 1000 == 0:
-            log.warning("link.trainer.invalid_group", peer=peer_id, group=gid, reason=reason, detail=detail[:200],
-                        total=c.invalid_groups)
+        log_throttled(log.warning, "link.trainer.invalid_group", c.invalid_groups, peer=peer_id, group=gid,
+                      reason=reason, detail=detail[:200])
         self._send(peer_id, Reject(REJECT_INVALID_GROUP, f"{reason}: {detail[:200]}", [gid]))
 
     def _on_duplicate(self, peer: PeerInfo, gid: str) -> None:

@@ -19,7 +19,7 @@ import zmq
 
 from rlnode.link.base import LinkError
 from rlnode.link.zap import user_id
-from rlnode.log import get_logger
+from rlnode.log import get_logger, log_throttled
 from rlnode.wire import (
     REJECT_IDENTITY, REJECT_MALFORMED, REJECT_REGISTER_FIRST, Commit, CommitQuery, ControlReply,
     CreditReport, EvalReport, GroupDelivery, Heartbeat, Register, Reject,
@@ -95,10 +95,8 @@ class FrameReader:
         c = self.counters
         c.malformed_frames += 1
         c.malformed_by_reason[reason] = c.malformed_by_reason.get(reason, 0) + 1
-        # A flood of garbage must not become a flood of log lines.
-        if c.malformed_frames <= 10 or c.malformed_frames % 1000 == 0:
-            log.warning("link.trainer.malformed_frame", peer=peer_id, reason=reason, detail=detail[:200],
-                        total=c.malformed_frames)
+        log_throttled(log.warning, "link.trainer.malformed_frame", c.malformed_frames, peer=peer_id, reason=reason,
+                      detail=detail[:200])
         self._send(peer_id, Reject(REJECT_MALFORMED, f"{reason}: {detail[:200]}"))
 
     def _impostor(self, peer_id: str, key: str) -> None:
@@ -106,8 +104,7 @@ class FrameReader:
         CURVE key is bound to: nothing in it is read."""
         c = self.counters
         c.identity_mismatch += 1
-        if c.identity_mismatch <= 10 or c.identity_mismatch % 1000 == 0:
-            log.warning("link.trainer.identity_mismatch", peer=peer_id, key=key, total=c.identity_mismatch)
+        log_throttled(log.warning, "link.trainer.identity_mismatch", c.identity_mismatch, peer=peer_id, key=key)
         self._send(peer_id, Reject(REJECT_IDENTITY, f"key {key!r} may only speak for node id {key!r}"))
 
     def _unexpected(self, peer_id: str, reason: str, detail: str, group_ids: list[str] = ()) -> None:
@@ -121,8 +118,7 @@ class FrameReader:
         that triggers it is rejected for good (a resend would hit it again)."""
         c = self.counters
         c.handler_errors += 1
-        if c.handler_errors <= 10 or c.handler_errors % 1000 == 0:
-            log.error("link.trainer.handler_failed", error=repr(e)[:300], total=c.handler_errors, exc_info=e)
+        log_throttled(log.error, "link.trainer.handler_failed", c.handler_errors, error=repr(e)[:300], exc_info=e)
         try:
             peer_id = frames[0].bytes.decode("utf-8", "replace")
             msg = self._decoder.decode(frames[1].buffer)

@@ -10,7 +10,7 @@ from zmq.utils import z85
 
 from rlnode.link import curve
 from rlnode.link.peers import TrainerLinkCounters
-from rlnode.log import get_logger
+from rlnode.log import get_logger, log_throttled
 
 log = get_logger("rlnode.link.trainer")
 
@@ -56,9 +56,8 @@ class ZapLog:
         # Every ZAP answer passes through "ZAP reply code=%s text=%s".
         if msg.startswith("ZAP reply") and args and args[0] != b"200":
             n = self.counters.auth_denied = self.counters.auth_denied + 1
-            if n <= 10 or n % 100 == 0:
-                reason = args[1].decode("utf-8", "replace") if len(args) > 1 else ""
-                log.warning("link.trainer.auth_denied", reason=reason, total=n)
+            reason = args[1].decode("utf-8", "replace") if len(args) > 1 else ""
+            log_throttled(log.warning, "link.trainer.auth_denied", n, every=100, reason=reason)
 
     def error(self, msg: str, *args) -> None:
         log.error("link.trainer.zap_error", detail=(msg % args)[:200])
