@@ -92,3 +92,19 @@ def test_every_logger_comes_from_rlnode_log():
             if (rel != "rlnode/log.py" and "structlog" in line) or own_stdlib.search(line):
                 offenders.append(f"{rel}:{n}: {line.strip()}")
     assert offenders == []
+
+
+def test_roles_know_the_cube_contract_not_a_cube():
+    """The actor and the trainer see cubes through their contract
+    (``cubes.base``) and the registry only: a role that imported one cube's
+    implementation (``agent_episode`` once took ``AgentWorkerError`` from
+    ``cubes.agent_workers``) would tie every run to that cube."""
+    graph = grimp.build_graph("rlnode", include_external_packages=False)
+    allowed = {"rlnode.cubes", "rlnode.cubes.base", "rlnode.cubes.registry"}
+    seen = []
+    for role in ("rlnode.actor", "rlnode.trainer"):
+        for m in sorted(graph.find_children(role) | graph.find_descendants(role)):
+            seen += [f"{m} -> {c}" for c in sorted(graph.find_modules_directly_imported_by(m))
+                     if c.startswith("rlnode.cubes.") and c not in allowed]
+    assert seen == []
+

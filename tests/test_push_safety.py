@@ -30,7 +30,7 @@ import torch
 from conftest import reference_logprobs
 from daemons import free_port
 from rlnode.config import WeightSyncConfig, load_config
-from rlnode.weights.push import WeightPusher
+from rlnode.trainer.weight_push import WeightPusher
 from rlnode.weights.broadcast import WeightBroadcaster, WeightGuard
 
 

@@ -312,9 +312,9 @@ async def test_a_member_that_keeps_failing_is_benched_and_rejoins_when_it_answer
     either, and health turned red after max_failures."""
     from rlnode.config import LinkConfig
     from rlnode.link.trainer_link import TrainerLink
-    from rlnode.weights import push
+    from rlnode.trainer import weight_push as push
+    from rlnode.trainer.weight_push import WeightPusher
     from rlnode.weights.broadcast import WeightGuard
-    from rlnode.weights.push import WeightPusher
 
     from daemons import free_port
 

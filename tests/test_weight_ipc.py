@@ -24,7 +24,7 @@ from rlnode.weights import ipc as weight_ipc
 from rlnode.actor.engine import engine_visible_gpus
 from rlnode.config import LinkConfig, WeightSyncConfig
 from rlnode.link import ActorLink, TrainerLink
-from rlnode.weights.push import WeightPusher
+from rlnode.trainer.weight_push import WeightPusher
 from rlnode.weights.broadcast import EnginePlace, WeightBroadcaster, WeightGuard, resolve_backend, update_tensors
 from rlnode.weights.ipc import IpcHandle, host_identity, visible_gpus
 from rlnode.weights.plan import PlanMismatch, decode_plan, encode, unpack_bucket

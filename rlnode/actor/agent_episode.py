@@ -35,8 +35,7 @@ from rlnode.actor.episode import (
     EpisodeResult, EpisodeSettings, check_reward, close_task, cube_call, training_sample,
 )
 from rlnode.actor.gateway import Gateway, GatewayHostLost, GatewaySession
-from rlnode.cubes.agent_workers import AgentWorkerError
-from rlnode.cubes.base import AgentTask, CubeError
+from rlnode.cubes.base import AgentError, AgentTask, CubeError
 from rlnode.log import get_logger
 from rlnode.wire import TrainingSample
 
@@ -109,7 +108,7 @@ async def _drive(task: AgentTask, s: GatewaySession, payload: dict) -> float | N
         if s.terminated:  # the gateway ended the episode; the agent broke on the refusal
             log.info("agent.stopped_by_gateway", episode=s.episode_id, reason=s.terminated, error=repr(e))
             return None
-        if isinstance(e, AgentWorkerError):  # the agent's own failure, reported by its worker process
+        if isinstance(e, AgentError):  # the agent's own failure, reported by the cube that runs it (its worker)
             raise AgentFailed(str(e)) from e
         if isinstance(e, CubeError):
             raise

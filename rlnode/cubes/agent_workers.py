@@ -61,7 +61,7 @@ import rlnode
 from rlnode.config import ConfigError
 from rlnode.cubes import agent_sandbox
 from rlnode.cubes.agent_sandbox import AgentLimits, GatewayRelay
-from rlnode.cubes.base import AgentEndpoint, CubeError
+from rlnode.cubes.base import AgentEndpoint, AgentError, CubeError
 from rlnode.frames import FrameProtocol
 from rlnode.log import get_logger
 
@@ -143,7 +143,7 @@ class _Frames(FrameProtocol):
         self.write_frame(self._encode(msg))
 
 
-class AgentWorkerError(CubeError):
+class AgentWorkerError(AgentError):
     """The episode's agent failed in its worker (raised, or its worker died)."""
 
 

@@ -34,6 +34,13 @@ class CubeError(RuntimeError):
     """The cube failed (server down, task crashed): retry the episode."""
 
 
+class AgentError(CubeError):
+    """The episode's agent itself failed, as reported by the cube that runs
+    it (it raised, or the process running it died): the agent's failure,
+    not the cube's, so the episode fails as the agent's
+    (``agent_episode.AgentFailed``)."""
+
+
 class CubeTaskRef(msgspec.Struct, frozen=True, array_like=True):
     """Addresses a task across all cubes of a run."""
 

@@ -80,7 +80,7 @@ class TrainerDaemon:
         from rlnode.trainer.checkpoint import CheckpointManager, MetricsWriter
         from rlnode.trainer.learner import Learner
         from rlnode.trainer.parallel import RankGroup, resolve_ranks
-        from rlnode.weights.push import WeightPusher
+        from rlnode.trainer.weight_push import WeightPusher
         from rlnode.trainer.trackers import open_sinks
         from rlnode.weights.broadcast import WeightBroadcaster, WeightGuard
 
@@ -453,7 +453,7 @@ class TrainerDaemon:
             "weights": {"pushes": self.pusher.pushes if self.pusher else 0,
                         "failures": self.pusher.failures if self.pusher else 0,
                         # Left out of the weight group after failed pushes, and probed
-                        # (rlnode.weights.push); "members": the current epoch's actors.
+                        # (rlnode.trainer.weight_push); "members": the current epoch's actors.
                         "benched": benched, "benches": self.pusher.benches if self.pusher else 0,
                         "readmissions": self.pusher.readmissions if self.pusher else 0,
                         "members": sorted(self.pusher.members) if self.pusher else [],

@@ -1,7 +1,6 @@
 """The weight path, from the trainer's parameters to the engine's kernels.
 Where an update is born, travels and lands:
 
-    push.py          trainer: WeightPusher, the conversation with every actor (epochs, pushes, retries)
     broadcast.py     trainer: WeightBroadcaster (plan, rank 0 of the group), WeightGuard (the step lock)
     protocol.py      the conversation trainer <-> actor: JoinEpoch, LoadWeights and their results
     plan.py          the update plan and spec (msgspec Structs) and the byte layout
@@ -14,5 +13,6 @@ Where an update is born, travels and lands:
 
 The actor daemon drives its engines' workers through
 ``rlnode.actor.weight_receiver`` (pause, load, resume); the trainer daemon
-calls ``push.WeightPusher``.
+through ``rlnode.trainer.weight_push.WeightPusher``, the conversation with
+every actor (epochs, pushes, retries), which only the trainer holds.
 """

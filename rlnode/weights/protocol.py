@@ -1,8 +1,8 @@
 """The weight conversation between the trainer and an actor daemon, typed.
 
-Born in the trainer's ``WeightPusher`` (``rlnode.weights.push``), carried in
-a ``wire.ControlRequest`` over the link, answered in a ``wire.ControlReply``
-by the actor daemon, which hands it to its engines
+Born in the trainer's ``WeightPusher`` (``rlnode.trainer.weight_push``),
+carried in a ``wire.ControlRequest`` over the link, answered in a
+``wire.ControlReply`` by the actor daemon, which hands it to its engines
 (``rlnode.actor.weight_receiver``):
 
     trainer                                   actor (every engine)
@@ -14,7 +14,7 @@ by the actor daemon, which hands it to its engines
                              <-------------   ProbeAnswered(engines)
 
 ``Probe`` goes only to an actor the trainer left out of the group (benched,
-``rlnode.weights.push``): its answer says the node could take a join now.
+``rlnode.trainer.weight_push``): its answer says the node could take a join now.
 
 The bytes of the weights never travel here: they follow on the group epoch
 (``comm.WeightComm``) as one broadcast per bucket of ``plan``.

@@ -64,7 +64,7 @@ from rlnode.weights.plan import PlanMismatch, WeightUpdateError, WeightUpdatePla
 from rlnode.weights.protocol import JoinEpoch, LoadWeights, Probe, WeightCommand
 from rlnode.weights.rendezvous import RendezvousError
 
-log = get_logger("rlnode.weights.push")
+log = get_logger("rlnode.trainer.weight_push")
 
 # Delay before retrying a failed push (s): RETRY_MIN_S after the first
 # failure, doubling per further failure, at most RETRY_MAX_S.
