@@ -471,7 +471,11 @@ async def test_transport_bench_smoke(capsys):
     r = await bench_transport(64, tokens=64, group_size=8, rounds=1, curve=False)
     assert (r.samples, r.tokens_per_sample, r.group_size) == (64, 64, 8)
     assert r.samples_per_s > 0 and r.baseline_samples_per_s > 0
-    assert r.ratio == pytest.approx(r.samples_per_s / r.baseline_samples_per_s, abs=0.005)  # reported to 2 places
+    # The ratio is reported to 2 places from the unrounded rates; the rates
+    # to 1 place each, which moves their quotient by up to ratio * (0.05/a +
+    # 0.05/b) (44.21 against 44.24 at a baseline near 60 samples/s).
+    slack = 0.05 / r.samples_per_s + 0.05 / r.baseline_samples_per_s
+    assert r.ratio == pytest.approx(r.samples_per_s / r.baseline_samples_per_s, rel=2 * slack, abs=0.006)
     # 48 prompt + 16 completion int32 ids, 16 float32 logprobs, 16 mask bytes, plus metadata.
     assert 4 * 64 + 4 * 16 + 16 < r.details["rlnode_wire_bytes_per_sample"] < r.details["jsonl_bytes_per_sample"]
     print_table(r)
