@@ -33,6 +33,11 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The command line: the daemon's flags and one subcommand per tool.
+
+    Long because it is declarations only, one ``add_argument`` per flag in
+    the order ``--help`` lists them, so each command's flags read in one
+    place."""
     p = argparse.ArgumentParser(
         prog="rlnode",
         description="Asynchronous multi-step RL for LLM agents. Run a daemon with --role, "

@@ -108,3 +108,44 @@ def test_roles_know_the_cube_contract_not_a_cube():
                      if c.startswith("rlnode.cubes.") and c not in allowed]
     assert seen == []
 
+
+MAX_MODULE_LINES = 600
+MAX_FUNCTION_LINES = 80
+# A function may run longer when its docstring says why, in a sentence that
+# starts with these words (docs/architecture.md, "Rooms").
+LONG_REASON = "Long because "
+
+
+def oversized_rooms(root: Path) -> list[str]:
+    """Modules over MAX_MODULE_LINES lines, and functions or methods over
+    MAX_FUNCTION_LINES (``def`` to last line) whose docstring gives no
+    reason starting with LONG_REASON."""
+    import ast
+
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root.parent).as_posix()
+        src = path.read_text()
+        if (n := len(src.splitlines())) > MAX_MODULE_LINES:
+            found.append(f"{rel}: {n} lines")
+        for node in ast.walk(ast.parse(src)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_FUNCTION_LINES and LONG_REASON not in (ast.get_docstring(node) or ""):
+                    found.append(f"{rel}:{node.lineno} {node.name}: {n} lines, no reason in its docstring")
+    return found
+
+
+def test_rooms_are_of_a_size_to_live_in():
+    assert oversized_rooms(ROOT / "rlnode") == []
+
+
+def test_the_room_check_finds_a_long_module_and_an_unexplained_long_function(tmp_path):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES))
+    (pkg / "a.py").write_text(f"def long():\n{body}\n\ndef fine():\n    return 1\n")
+    (pkg / "b.py").write_text(f'def explained():\n    """{LONG_REASON}it is a table."""\n{body}')
+    (pkg / "c.py").write_text("x = 1\n" * (MAX_MODULE_LINES + 1))
+    assert oversized_rooms(pkg) == ["pkg/a.py:1 long: 81 lines, no reason in its docstring",
+                                    f"pkg/c.py: {MAX_MODULE_LINES + 1} lines"]

@@ -254,7 +254,11 @@ async def _chunks(reader: asyncio.StreamReader) -> AsyncIterator[bytes]:
 
 
 def make_walled_runtime(limits: AgentLimits, env: dict[str, str]):
-    """The ``SubprocessRuntime`` subclass whose processes run in a box."""
+    """The ``SubprocessRuntime`` subclass whose processes run in a box.
+
+    Long because its classes are defined inside it: they subclass
+    verifiers' runtime types, and verifiers (an optional dependency) is
+    imported only when a walled verifiers cube starts."""
     from verifiers.v1.runtimes.base import ProgramResult, RuntimeProcess
     from verifiers.v1.runtimes.subprocess import SubprocessRuntime
 

@@ -354,14 +354,7 @@ class Learner:
         # In every step's metrics, so a skip shows as a 1 next to its loss.
         extra["nonfinite_skip"] = float(not stepped)
         extra["nonfinite_skips_total"] = float(self.skipped_steps)
-        # Tokens through the decoder (padding included) and passes: what the
-        # micro-batch layout cost this step.
-        packed = cfg.micro_batch_tokens > 0 and self.varlen
-        forward = sum(mb.tokens if packed else mb.padded_tokens for mb in mbs)
-        extra["micro_batches"] = float(len(mbs))
-        extra["forward_tokens"] = float(forward)
-        extra["pad_tokens"] = float(forward - sum(mb.tokens for mb in mbs))
-        extra["pad_fraction"] = extra["pad_tokens"] / max(1, forward)
+        extra.update(self._layout_figures(mbs))
         mismatch, lag_hist = {}, {}
         if log_ratios:
             lags = torch.cat(token_lags)
@@ -381,6 +374,15 @@ class Learner:
             extra=extra,
             step_s=time.perf_counter() - t0, skipped=not stepped, mismatch=mismatch, token_lag_hist=lag_hist,
         )
+
+    def _layout_figures(self, mbs) -> dict[str, float]:
+        """Tokens through the decoder (padding included) and passes: what
+        the micro-batch layout cost this step."""
+        packed = self.cfg.trainer.micro_batch_tokens > 0 and self.varlen
+        forward = sum(mb.tokens if packed else mb.padded_tokens for mb in mbs)
+        pad = float(forward - sum(mb.tokens for mb in mbs))
+        return {"micro_batches": float(len(mbs)), "forward_tokens": float(forward), "pad_tokens": pad,
+                "pad_fraction": pad / max(1, forward)}
 
     def _clip_and_step(self, loss_finite: bool) -> tuple[float, bool]:
         """Clip and step; returns (gradient norm, stepped). A non-finite

@@ -179,6 +179,13 @@ class LossOutput:
 # With "sequences", gspo is the paper's objective exactly (its gradient per
 # token is -A s_i / |y_i|); with "tokens" longer samples weigh more.
 def policy_loss(inp: LossInputs, cfg: LossConfig, normalizer: float) -> LossOutput:
+    """The loss of one micro-batch and its figures, term by term as the
+    module docstring writes them: the policy term of ``cfg.kind``, KL,
+    entropy, the masks, the normalization.
+
+    Long because it is those formulas in their order, in one place: padding
+    is zeroed once before every term and the lag mask applies after all of
+    them, and the figures are read in one device sync at the end."""
     if normalizer <= 0:
         raise ValueError(f"normalizer must be > 0, got {normalizer}")
     if cfg.kl_coef > 0 and inp.ref_logprobs is None:

@@ -178,32 +178,7 @@ class Gateway:
     async def _complete(self, request: web.Request, s: GatewaySession, req: ChatRequest) -> web.StreamResponse:
         settings = s.settings
         base = settings.sampling
-        if req.n not in (None, 1):
-            raise GatewayError(400, "n must be 1 (one sample per call)", param="n")
-        if req.stop:
-            raise GatewayError(400, "stop sequences are not supported: samples are token-exact and end at the "
-                                    "model's end of turn", param="stop")
-        temperature = base.temperature if req.temperature is None else req.temperature
-        if base.temperature == 0:  # greedy evaluation (scheduler.eval_temperature = 0): not trained on
-            temperature = 0.0
-        elif not 0 < temperature <= base.temperature + 1e-9:
-            raise GatewayError(400, f"temperature must be in (0, {base.temperature}] (actor.sampling.temperature; "
-                                    "samples are scored at logits / temperature)", param="temperature")
-        elif temperature < (floor := min(settings.min_temperature, base.temperature)):
-            # The trainer would refuse the whole group for it (and a tiny T
-            # scales gradients by 1/T): sampled at the floor instead. (An
-            # evaluation below the floor keeps its own temperature.)
-            if self.stats.temperature_floored == 0:
-                log.warning("gateway.temperature_floored", asked=temperature, floor=floor,
-                            key="actor.sampling.min_temperature")
-            self.stats.temperature_floored += 1
-            temperature = floor
-        if req.top_p is not None and abs(req.top_p - base.top_p) > 1e-9:
-            raise GatewayError(400, f"top_p is fixed by the run (actor.sampling.top_p = {base.top_p})", param="top_p")
-        tool_choice = req.tool_choice if req.tool_choice is not None else "auto"
-        if tool_choice not in ("auto", "none"):
-            raise GatewayError(400, "tool_choice must be 'auto' or 'none' (forcing a call needs guided decoding)",
-                               param="tool_choice")
+        temperature, tool_choice = self._knobs(s, req)
         if not req.messages:
             raise GatewayError(400, "messages must not be empty", param="messages")
         # The turn limit first: a refused call costs no template work. The
@@ -278,6 +253,39 @@ class Gateway:
         finally:
             if not delivered:
                 self._unsent(s, step)
+
+    def _knobs(self, s: GatewaySession, req: ChatRequest) -> tuple[float, str]:
+        """The call's knobs checked against the run's (GatewayError for one
+        the run refuses): the temperature it samples at, its tool_choice."""
+        settings = s.settings
+        base = settings.sampling
+        if req.n not in (None, 1):
+            raise GatewayError(400, "n must be 1 (one sample per call)", param="n")
+        if req.stop:
+            raise GatewayError(400, "stop sequences are not supported: samples are token-exact and end at the "
+                                    "model's end of turn", param="stop")
+        temperature = base.temperature if req.temperature is None else req.temperature
+        if base.temperature == 0:  # greedy evaluation (scheduler.eval_temperature = 0): not trained on
+            temperature = 0.0
+        elif not 0 < temperature <= base.temperature + 1e-9:
+            raise GatewayError(400, f"temperature must be in (0, {base.temperature}] (actor.sampling.temperature; "
+                                    "samples are scored at logits / temperature)", param="temperature")
+        elif temperature < (floor := min(settings.min_temperature, base.temperature)):
+            # The trainer would refuse the whole group for it (and a tiny T
+            # scales gradients by 1/T): sampled at the floor instead. (An
+            # evaluation below the floor keeps its own temperature.)
+            if self.stats.temperature_floored == 0:
+                log.warning("gateway.temperature_floored", asked=temperature, floor=floor,
+                            key="actor.sampling.min_temperature")
+            self.stats.temperature_floored += 1
+            temperature = floor
+        if req.top_p is not None and abs(req.top_p - base.top_p) > 1e-9:
+            raise GatewayError(400, f"top_p is fixed by the run (actor.sampling.top_p = {base.top_p})", param="top_p")
+        tool_choice = req.tool_choice if req.tool_choice is not None else "auto"
+        if tool_choice not in ("auto", "none"):
+            raise GatewayError(400, "tool_choice must be 'auto' or 'none' (forcing a call needs guided decoding)",
+                               param="tool_choice")
+        return temperature, tool_choice
 
     async def _generate(self, s: GatewaySession, prompt: list[int], sampling: SamplingSettings,
                         on_tokens: Callable | None = None, *, step: int, reset: bool,
