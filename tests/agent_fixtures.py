@@ -246,15 +246,19 @@ def _limit_outcome(what, *args) -> float:
 def command_main(mode: str) -> int:
     task = json.load(sys.stdin)
     base_url, api_key = os.environ["OPENAI_BASE_URL"], os.environ["OPENAI_API_KEY"]
-    asyncio.run(one_call(base_url, api_key))
     if mode == "hang":
-        # A child in the same process group, then hang: the timeout must kill both.
+        # A child in the same process group, then a call and a hang: the
+        # timeout must kill both. The pids are written first: an engine's
+        # first call (kernels compiled on a loaded host) can take longer
+        # than the episode's timeout.
         import subprocess
 
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
         with open(os.environ["PID_FILE"], "w") as f:
             json.dump([os.getpid(), child.pid], f)
+        asyncio.run(one_call(base_url, api_key))
         time.sleep(600)
+    asyncio.run(one_call(base_url, api_key))
     if mode == "env":  # reported on stderr: a sandboxed agent cannot write the test's files
         print("ENV " + json.dumps(sorted(os.environ)), file=sys.stderr)
         return 3
@@ -295,10 +299,6 @@ def command_main(mode: str) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(command_main(sys.argv[1]))
-
-
 class _RunsInTheDaemon:
     """Unpickled, makes directory ``path``: proof that code sent by a
     worker ran in the daemon."""
@@ -322,3 +322,7 @@ async def forge_frame(task, base_url, api_key):
     os.write(int(sys.argv[1]), struct.pack("!i", len(payload)) + payload)
     await asyncio.sleep(1)
     return 0.25
+
+
+if __name__ == "__main__":
+    sys.exit(command_main(sys.argv[1]))
