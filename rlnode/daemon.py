@@ -41,6 +41,14 @@ class Role(Protocol):
 
 
 class Lifecycle:
+    # Each role's shutdown (after the drain): above the engines' own
+    # shutdown bound (rlnode/actor/engine.py: Engine.SHUTDOWN_TIMEOUT_S, 30 s) plus
+    # what a role does before it (a final checkpoint, closing cubes and the
+    # gateway host), which a loaded host needed (a daemon exited 1 with its
+    # engine still closing at 30 s). Drain + two roles' shutdowns stay within
+    # the units' TimeoutStopSec=120.
+    SHUTDOWN_TIMEOUT_S = 45.0
+
     def __init__(self, roles: list[Role], drain_timeout_s: float = 30.0,
                  http: tuple[str, int] | tuple[str, int, str] | None = None):
         from rlnode.ops.notify import Notifier
@@ -98,7 +106,7 @@ class Lifecycle:
                 status_task.cancel()
             for role in reversed(started):
                 try:
-                    await asyncio.wait_for(role.shutdown(), self.drain_timeout_s)
+                    await asyncio.wait_for(role.shutdown(), self.SHUTDOWN_TIMEOUT_S)
                 except Exception:
                     log.exception("shutdown failed", role=role.name)
                     code = code or EXIT_FATAL

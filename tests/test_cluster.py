@@ -174,8 +174,12 @@ def test_no_fault(run):
     t0 = time.monotonic()
     # Both hosts first: on a loaded machine one engine can take a minute
     # longer to start, and the trainer trains on with the other meanwhile.
-    t.wait(lambda st: all(peer_connected(st, a.name) for a in run.cluster.actors()), 300,
-           "both actor hosts connected")
+    # In the weight group, not only connected: a host whose engine joins
+    # too slowly on a loaded start is benched (issue 36) and readmitted by
+    # a probe, and the trainer steps on with the other meanwhile.
+    t.wait(lambda st: all(peer_connected(st, a.name) for a in run.cluster.actors())
+           and len(st["roles"]["trainer"]["weights"]["members"]) == len(run.cluster.actors()), 300,
+           "both actor hosts in the weight group")
     run.steps_after(run.version(), 4, 600, "4 versions with two actor hosts")
     v = run.version()
     run.all_actors_at(v - 1, 120)
