@@ -348,11 +348,17 @@ async def test_a_member_that_keeps_failing_is_benched_and_rejoins_when_it_answer
             assert not await pusher.push()  # the frozen rank never votes on the plan: names no one
             assert not await pusher.push()  # a new epoch: its rank does not join (1st failure named on it)
             assert pusher.health() == "" and not pusher.benched
+            # The failed epoch is not a group: /status shows no members while
+            # pusher.members still names the two it tried (before: /status
+            # showed both, and a test waiting for both to be in the group
+            # went on while one had never joined).
+            assert set(pusher.members) == {pid["good"], pid["frozen"]} and pusher.group_members() == []
             assert not await pusher.push()  # 2nd: benched
             assert list(pusher.benched) == [pid["frozen"]], pusher.last_error
             assert "did not join" in pusher.benched[pid["frozen"]].reason
             assert await pusher.push()  # the healthy actor alone, in a new epoch
             assert set(pusher.members) == {pid["good"]} and good.version == pusher.pushed_version == 1
+            assert pusher.group_members() == [pid["good"]]
             assert all(torch.equal(good.received[n], t) for n, t in update_tensors(model))
             assert not pusher.engines_behind(pusher.guard.version, 0)
             assert pusher.health() == "" and pusher.own_failures_in_a_row == 0
@@ -371,6 +377,7 @@ async def test_a_member_that_keeps_failing_is_benched_and_rejoins_when_it_answer
             await _eventually(lambda: not pusher.benched and frozen.version == 2 and pusher.pushed_version == 2,
                               60, "the thawed actor to rejoin and catch up")
             assert set(pusher.members) == {pid["good"], pid["frozen"]} and pusher.readmissions == 1
+            assert pusher.group_members() == sorted([pid["good"], pid["frozen"]])
             assert frozen.probes >= 1 and pusher.health() == ""
             assert all(torch.equal(frozen.received[n], t) for n, t in update_tensors(model))
         finally:

@@ -453,10 +453,11 @@ class TrainerDaemon:
             "weights": {"pushes": self.pusher.pushes if self.pusher else 0,
                         "failures": self.pusher.failures if self.pusher else 0,
                         # Left out of the weight group after failed pushes, and probed
-                        # (rlnode.trainer.weight_push); "members": the current epoch's actors.
+                        # (rlnode.trainer.weight_push); "members": the actors of the working
+                        # epoch, all joined ([] while one forms or after one failed).
                         "benched": benched, "benches": self.pusher.benches if self.pusher else 0,
                         "readmissions": self.pusher.readmissions if self.pusher else 0,
-                        "members": sorted(self.pusher.members) if self.pusher else [],
+                        "members": self.pusher.group_members() if self.pusher else [],
                         "last_push_s": self.pusher.last_push_s if self.pusher else 0.0,
                         # The current epoch's transport, and why (trainer.weights.backend "auto"
                         # picks cuda_ipc only for engines that can open the trainer's GPU memory).

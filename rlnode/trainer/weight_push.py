@@ -385,7 +385,15 @@ class WeightPusher:
             raise PushFailed(f"{kind}: {len(failed)} of {len(peers)} actor(s) failed: {failed}", failed)
         return result
 
+    def group_members(self) -> list[str]:
+        """The actors in a working epoch (every one of them joined), for
+        /status; [] while an epoch forms or after one failed. ``members``
+        alone is the epoch tried last: it names an actor whose join is in
+        flight or failed, which is not in the group."""
+        return [] if self.dirty else sorted(self.members)
+
     async def _reform(self, live: dict[str, tuple[str, list]]) -> None:
+        self.dirty = True  # until every member joined (group_members)
         self.members = live
         # Members are named "<node id>/<engine id>": how an actor finds its ranks.
         owners, engines = zip(*((pid, (f"{node}/{e.engine_id}", e.num_workers, e.host, e.gpus))
