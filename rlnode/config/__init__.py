@@ -45,11 +45,12 @@ from rlnode.config.checks import (
     check_cross_field,
     max_group_bytes,
 )
-from rlnode.config.derived import actor_node_id, effective_max_lag, groups_in_flight
+from rlnode.config.derived import VLLM_LORA_RANKS, actor_node_id, effective_max_lag, engine_lora_rank, groups_in_flight
 from rlnode.config.load import load_config, parse_override, to_toml_dict
 from rlnode.config.sections import Config, HttpConfig, LinkConfig, ModelConfig, RunConfig
 from rlnode.config.trainer import (
     AdvantageConfig,
+    LoraConfig,
     LossConfig,
     OptimConfig,
     ParallelConfig,
@@ -63,6 +64,7 @@ __all__ = [
     "GROUP_BYTES_PER_EPISODE",
     "GROUP_BYTES_PER_PROMPT_TOKEN",
     "GROUP_BYTES_PER_SAMPLE",
+    "VLLM_LORA_RANKS",
     "VLLM_SAMPLING_EPS",
     "ActorConfig",
     "AdvantageConfig",
@@ -74,6 +76,7 @@ __all__ = [
     "Fraction",
     "HttpConfig",
     "LinkConfig",
+    "LoraConfig",
     "LossConfig",
     "ModelConfig",
     "NonNegInt",

@@ -73,6 +73,15 @@ class EngineConfig(Section):
     # weights): "generating" updated in 0.37 s with a 0.16 s stall, "paused"
     # in 0.40 s with a 0.40 s stall.
     weight_receive: Literal["generating", "paused"] = "generating"
+    # LoRA runs (trainer.lora.rank > 0): adapters one engine batch may mix
+    # (vLLM max_loras). Each version is an adapter of its own and requests
+    # in flight finish on theirs, so this bounds the versions running at
+    # once; a request of a newer version waits for a slot, never an old one.
+    max_loras: Annotated[int, Meta(ge=2, le=64)] = 4
+    # LoRA runs: the largest adapter rank the engine serves (vLLM
+    # max_lora_rank, one of 1, 8, 16, 32, 64, 128, 256, 320, 512); 0 = the
+    # smallest of those >= trainer.lora.rank.
+    max_lora_rank: NonNegInt = 0
 
 
 class RouterConfig(Section):

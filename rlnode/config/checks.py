@@ -15,6 +15,7 @@ import msgspec
 
 from rlnode.config.actor import CubeConfig
 from rlnode.config.base import ConfigError, explain
+from rlnode.config.derived import VLLM_LORA_RANKS
 from rlnode.config.sections import Config
 from rlnode.config.trainer import TrainerConfig
 
@@ -50,6 +51,7 @@ def check_cross_field(cfg: Config) -> None:
             "actor.sampling.max_tokens: must be < model.max_model_len "
             f"({cfg.actor.sampling.max_tokens} >= {cfg.model.max_model_len})"
         )
+    _check_lora(cfg)
     _check_group_fits_frame(cfg)
 
 
@@ -89,6 +91,28 @@ def _check_group_fits_frame(cfg: Config) -> None:
             f"{cfg.actor.sampling.max_tokens} of them completion), over link.max_frame_bytes = "
             f"{cfg.link.max_frame_bytes}; raise link.max_frame_bytes to at least {need} or lower one of those"
         )
+
+
+def _check_lora(cfg: Config) -> None:
+    """LoRA keys the engines and the trainer must agree on (the model's
+    module names are checked when the trainer loads it)."""
+    lora, eng = cfg.trainer.lora, cfg.actor.engine
+    if eng.max_lora_rank and eng.max_lora_rank not in VLLM_LORA_RANKS:
+        raise ConfigError(f"actor.engine.max_lora_rank: expected 0 or one of {list(VLLM_LORA_RANKS)} "
+                          f"(vLLM's ranks), got {eng.max_lora_rank}")
+    if lora.rank == 0:
+        return
+    if lora.rank > VLLM_LORA_RANKS[-1]:
+        raise ConfigError(f"trainer.lora.rank: at most {VLLM_LORA_RANKS[-1]} (vLLM's largest), got {lora.rank}")
+    if eng.max_lora_rank and lora.rank > eng.max_lora_rank:
+        raise ConfigError(f"trainer.lora.rank: {lora.rank} is above actor.engine.max_lora_rank = "
+                          f"{eng.max_lora_rank}, the largest adapter the engines serve; raise that "
+                          "(or set it to 0 to fit) or lower the rank")
+    if not lora.target_modules:
+        raise ConfigError("trainer.lora.target_modules: expected at least one module name")
+    if cfg.trainer.parallel.ranks != 1:
+        raise ConfigError("trainer.parallel.ranks: must be 1 with trainer.lora.rank > 0 (an adapter run "
+                          f"trains on one rank; got {cfg.trainer.parallel.ranks})")
 
 
 def _check_attention(t: TrainerConfig) -> None:

@@ -27,3 +27,19 @@ def effective_max_lag(cfg: Config) -> int:
     """The staleness budget both roles apply: ``trainer.sync`` means 0 (train
     only on the current version; generation waits for each update)."""
     return 0 if cfg.trainer.sync else cfg.actor.scheduler.max_lag
+
+
+# The adapter ranks vLLM's engines accept (vllm.config.lora.MaxLoRARanks,
+# the same from 0.26 to 0.32).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def engine_lora_rank(cfg: Config) -> int:
+    """The ``max_lora_rank`` the actor's engines start with: 0 = no LoRA
+    (``trainer.lora.rank`` = 0, full weights); else
+    ``actor.engine.max_lora_rank``, or when that is 0 the smallest rank
+    vLLM accepts that holds ``trainer.lora.rank``."""
+    rank = cfg.trainer.lora.rank
+    if rank == 0:
+        return 0
+    return cfg.actor.engine.max_lora_rank or next((r for r in VLLM_LORA_RANKS if r >= rank), rank)

@@ -237,6 +237,26 @@ class TrackersConfig(Section):
     wandb_entity: str = ""
 
 
+class LoraConfig(Section):
+    """Train a LoRA adapter (peft) on a frozen base instead of full weights.
+    Each version's adapter (a few MB) goes to the engines, which serve it
+    as a new vLLM adapter beside the old one: no pause, no drain, and a
+    sample's version is its adapter's (docs/training.md, "LoRA")."""
+
+    # Adapter rank r; 0 = train full weights (the default). The engines
+    # serve up to actor.engine.max_lora_rank (0 there = fit this).
+    rank: NonNegInt = 0
+    # Scaling alpha: the adapter adds (alpha / r) * B @ A to each target.
+    alpha: PositiveFloat = 32.0
+    # Dropout on the adapter's input while training, in [0, 1).
+    dropout: Annotated[float, Meta(ge=0, lt=1)] = 0.0
+    # Module names (the last part of the name, peft's matching) that get an
+    # adapter. Each must name linear layers of the model (refused at start
+    # otherwise); vLLM serves adapters on attention and MLP projections.
+    target_modules: list[str] = field(default_factory=lambda: [
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+
+
 class TrainerConfig(Section):
     # Address the trainer binds its ZeroMQ socket on. Loopback by default;
     # any other address (0.0.0.0 for every interface) needs link.curve_dir
@@ -317,5 +337,6 @@ class TrainerConfig(Section):
     optim: OptimConfig = field(default_factory=OptimConfig)
     weights: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     trackers: TrackersConfig = field(default_factory=TrackersConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 

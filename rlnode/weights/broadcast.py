@@ -41,6 +41,7 @@ from rlnode.config import WeightSyncConfig
 from rlnode.log import get_logger
 from rlnode.weights.rendezvous import RendezvousError, new_secret, secret_key
 from rlnode.weights.plan import (
+    AdapterSpec,
     GroupMember,
     GroupSpec,
     PlanMismatch,
@@ -345,14 +346,17 @@ class WeightBroadcaster:
 
     # -- updates -----------------------------------------------------------
 
-    def plan(self, tensors: Sequence[tuple[str, torch.Tensor]], version: int) -> WeightUpdatePlan:
-        """The plan for broadcasting ``tensors`` (see ``update_tensors``) as
-        ``version`` on the current epoch."""
+    def plan(self, tensors: Sequence[tuple[str, torch.Tensor]], version: int,
+             adapter: AdapterSpec | None = None) -> WeightUpdatePlan:
+        """The plan for broadcasting ``tensors`` (see ``update_tensors``; a
+        LoRA ``adapter``'s: ``lora.adapter_tensors``) as ``version`` on the
+        current epoch."""
         if self.spec is None:
             raise TransferError("no open group: new_epoch() + open_group() first")
         metas = [(n, self.send_dtype or dtype_name(t.dtype), tuple(t.shape)) for n, t in tensors]
         buckets = plan_buckets(metas, self.cfg.bucket_mb << 20)
-        plan = WeightUpdatePlan(version, self.spec.epoch, buckets, self.spec.backend, source=self.source)
+        plan = WeightUpdatePlan(version, self.spec.epoch, buckets, self.spec.backend, source=self.source,
+                                adapter=adapter)
         plan.validate()
         return plan
 

@@ -127,6 +127,47 @@ class Bucket(msgspec.Struct, array_like=True, frozen=True):
     nbytes: int  # size of the flat buffer
 
 
+# Bounds on an adapter plan from the network (AdapterSpec.validate): vLLM's
+# largest rank, and how many target module names a receiver takes.
+MAX_ADAPTER_RANK = 512
+MAX_ADAPTER_TARGETS = 64
+# peft's names: "base_model.model." + the module + ".lora_A.weight" / ".lora_B.weight".
+ADAPTER_PREFIX = "base_model.model."
+ADAPTER_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
+
+
+class AdapterSpec(msgspec.Struct, array_like=True, frozen=True):
+    """The LoRA adapter a plan carries (trainer.lora): its tensors are the
+    adapter's, named as in peft's ``adapter_model.safetensors``; with this
+    the receiver writes peft's ``adapter_config.json`` and the engine serves
+    it as a new adapter (weights/lora.py)."""
+
+    rank: int
+    alpha: float
+    target_modules: tuple[str, ...]
+
+    def validate(self) -> None:
+        if not 0 < self.rank <= MAX_ADAPTER_RANK:
+            raise PlanMismatch(f"adapter: rank {self.rank} is not in 1..{MAX_ADAPTER_RANK}")
+        if not 0 < self.alpha < 1e6:
+            raise PlanMismatch(f"adapter: alpha {self.alpha} is not in (0, 1e6)")
+        if not 0 < len(self.target_modules) <= MAX_ADAPTER_TARGETS or any(
+                not (0 < len(m) <= 128 and m.replace("_", "").replace(".", "").isalnum())
+                for m in self.target_modules):
+            raise PlanMismatch(f"adapter: target modules {list(self.target_modules)[:8]!r} are not "
+                               f"1-{MAX_ADAPTER_TARGETS} module names")
+
+    def module_of(self, name: str) -> tuple[str, str] | None:
+        """(module, "A" | "B") of an adapter tensor's name, or None for a
+        name that is not one."""
+        if not name.startswith(ADAPTER_PREFIX):
+            return None
+        for suffix in ADAPTER_SUFFIXES:
+            if name.endswith(suffix):
+                return name[len(ADAPTER_PREFIX):-len(suffix)], suffix[6]
+        return None
+
+
 class WeightUpdatePlan(msgspec.Struct, frozen=True):
     """Trainer -> actor: the next broadcast on group ``epoch``. The bytes
     follow on the group as one broadcast per bucket, in order."""
@@ -140,6 +181,9 @@ class WeightUpdatePlan(msgspec.Struct, frozen=True):
     # (``label``). "" = a trainer that predates it (the actor then takes
     # the incarnation its link was welcomed by).
     source: str = ""
+    # Set: the tensors are a LoRA adapter on the engine's base model, which
+    # the engine serves as a new adapter (no pause); None: full weights.
+    adapter: AdapterSpec | None = None
 
     @property
     def label(self) -> str:
@@ -165,6 +209,8 @@ class WeightUpdatePlan(msgspec.Struct, frozen=True):
         later (that an older peer drops when decoding) do not change it."""
         layout = (self.version, self.epoch, [(b.nbytes, [(t.name, t.dtype, t.shape, t.offset) for t in b.tensors])
                                              for b in self.buckets])
+        if self.adapter is not None:  # an adapter is read otherwise than full weights
+            layout = (*layout, msgspec.structs.astuple(self.adapter))
         h = hashlib.blake2b(msgspec.msgpack.encode(layout), digest_size=8).digest()
         return int.from_bytes(h, "little", signed=True)
 
@@ -190,6 +236,24 @@ class WeightUpdatePlan(msgspec.Struct, frozen=True):
             # allocate more than the tensors it describes.
             if not b.tensors or end != b.nbytes:
                 raise PlanMismatch(f"plan bucket {i}: tensors end at byte {end}, bucket claims {b.nbytes}")
+        if self.adapter is not None:
+            self._validate_adapter(self.adapter)
+
+    def _validate_adapter(self, adapter: AdapterSpec) -> None:
+        """Every tensor is one of the adapter's two matrices (A: rank x in,
+        B: out x rank) of a module, and every module has both."""
+        adapter.validate()
+        halves: dict[str, set[str]] = {}
+        for t in self.tensors():
+            found = adapter.module_of(t.name)
+            if found is None or len(t.shape) != 2:
+                raise PlanMismatch(f"adapter plan: tensor {t.name!r} {list(t.shape)} is not a peft LoRA matrix")
+            module, half = found
+            if (t.shape[0] if half == "A" else t.shape[1]) != adapter.rank:
+                raise PlanMismatch(f"adapter plan: {t.name!r} {list(t.shape)} does not have rank {adapter.rank}")
+            halves.setdefault(module, set()).add(half)
+        if lone := sorted(m for m, h in halves.items() if h != {"A", "B"}):
+            raise PlanMismatch(f"adapter plan: modules without both lora_A and lora_B: {lone[:4]}")
 
 
 class GroupMember(msgspec.Struct, array_like=True, frozen=True):
