@@ -18,7 +18,8 @@ import pytest
 
 from rlnode.actor import vllm_compat
 from rlnode.tools.vllm_api_snapshot import Release, Resolver, snapshot_release
-from rlnode.tools.vllm_contract import ONCE_BROKEN, Use, scan, scan_source, violations
+from rlnode.tools.vllm_contract import (DECLARED, LORA_ENGINE_ARGS, LORA_RANKS, ONCE_BROKEN, Use, contract, scan,
+                                        scan_source, violations)
 
 SNAPSHOTS = Path(__file__).parent / "data" / "vllm_api"
 RELEASES = sorted(p.stem for p in SNAPSHOTS.glob("*.json"))
@@ -53,7 +54,36 @@ def test_the_compat_layer_accepts_each_release(stem):
 
 @pytest.mark.parametrize("stem", RELEASES)
 def test_rlnode_uses_only_what_each_supported_release_has(stem):
-    assert violations(scan(), _load(stem)) == []
+    assert violations(contract(), _load(stem)) == []
+
+
+@pytest.mark.parametrize("stem", RELEASES)
+def test_each_release_serves_lora_as_rlnode_starts_it(stem):
+    """Issue 38: the LoRA path's engine args, LoRARequest (its first three
+    fields by position: name, id, path), AsyncLLM's adapter methods and
+    generate(lora_request=), and every rank rlnode may ask for, read from
+    each wheel (0.32 dropped LoRARequest.tensorizer_config_dict, unused)."""
+    from rlnode.config import VLLM_LORA_RANKS
+
+    uses = _load(stem)["uses"]
+    args = uses["call vllm.engine.arg_utils:AsyncEngineArgs"]["params"]
+    assert set(LORA_ENGINE_ARGS) <= set(args)
+    assert uses["call vllm.lora.request:LoRARequest"]["params"][:3] == ["lora_name", "lora_int_id", "lora_path"]
+    assert "load_inplace" in uses["call vllm.lora.request:LoRARequest"]["params"]
+    for method, params in (("add_lora", ["lora_request"]), ("remove_lora", ["lora_id"]), ("list_loras", [])):
+        assert uses[f"call vllm.v1.engine.async_llm:AsyncLLM.{method}"] == {"defined": True, "params": params}
+    assert "lora_request" in uses["call vllm.v1.engine.async_llm:AsyncLLM.generate"]["params"]
+    assert uses["values vllm.config.lora:MaxLoRARanks"]["values"] == [str(r) for r in VLLM_LORA_RANKS]
+    assert LORA_RANKS == tuple(str(r) for r in VLLM_LORA_RANKS)
+    assert {u.key for u in DECLARED} <= set(uses)
+
+
+def test_a_rank_or_adapter_method_a_release_lacks_is_named():
+    snap = _load("vllm-0.26.0")
+    (problem,) = violations([Use("vllm.config.lora", "MaxLoRARanks", "values", ("16", "24"), where="x.py:1")], snap)
+    assert "MaxLoRARanks does not accept 24 (used at x.py:1" in problem and "320" in problem
+    (problem,) = violations([Use("vllm.v1.engine.async_llm", "AsyncLLM.add_lora", "call", ("lora_req",))], snap)
+    assert "AsyncLLM.add_lora() takes no lora_req" in problem
 
 
 def test_the_scan_finds_the_weight_paths_vllm_imports():
@@ -95,6 +125,14 @@ def test_a_keyword_the_release_does_not_take_is_named():
            "def f():\n    kw = dict(model='m')\n    kw['no_such_arg'] = 1\n    return AsyncEngineArgs(**kw)\n")
     (problem,) = violations(scan_source(src, "y.py"), snap)
     assert "takes no no_such_arg" in problem
+    # ... and so do those added with kw.update(...) (engine_env's LoRA args).
+    src = ("from vllm.engine.arg_utils import AsyncEngineArgs\n"
+           "def f():\n    kw = dict(model='m')\n    kw.update(enable_lora=True, max_lorass=4)\n"
+           "    return AsyncEngineArgs(**kw)\n")
+    ((use,),) = [[u for u in scan_source(src, "y.py") if u.kind == "call"]]
+    assert use.keywords == ("model", "enable_lora", "max_lorass")
+    (problem,) = violations(scan_source(src, "y.py"), snap)
+    assert "takes no max_lorass" in problem
 
 
 def test_a_use_no_snapshot_recorded_asks_for_a_new_snapshot():
@@ -119,7 +157,8 @@ def test_the_resolver_follows_reexports_lazy_names_bases_and_dataclass_fields(tm
         "vllm/params.py": "from dataclasses import dataclass\nfrom enum import Enum\n"
                           "@dataclass\nclass Base:\n    a: int = 0\n"
                           "@dataclass\nclass Params(Base):\n    b: int = 0\n"
-                          "class Kind(Enum):\n    FINAL = 1\n",
+                          "class Kind(Enum):\n    FINAL = 1\n"
+                          "from typing import Literal\nRanks = Literal[1, 8]\nNotLiteral = (1, 8)\n",
         "vllm/pkg/__init__.py": "from .impl import *\n",
         "vllm/pkg/impl.py": "class Comm:\n    def __init__(self, group, *, device=None): ...\n"
                             "    def broadcast(self, t, src): ...\n"
@@ -136,6 +175,9 @@ def test_the_resolver_follows_reexports_lazy_names_bases_and_dataclass_fields(tm
     assert fact("attr", "vllm.pkg", "Sub.scatter") == {"defined": False}
     assert fact("name", "vllm.pkg", "Nope") == {"defined": False}
     assert fact("name", "vllm.nope", "X") == {"defined": False}
+    assert fact("values", "vllm", "Params") == {"defined": True, "values": None}  # a class, not a Literal
+    assert fact("values", "vllm.params", "Ranks") == {"defined": True, "values": ["1", "8"]}
+    assert fact("values", "vllm.params", "NotLiteral") == {"defined": True, "values": None}
     snap = snapshot_release(path, uses=[Use("vllm.pkg", "Comm", "call", ("device",))])
     assert snap["vllm"] == "0.99.0" and snap["dist"] == "vllm"
     assert snap["uses"] == {"call vllm.pkg:Comm": {"defined": True, "params": ["group", "device"]}}

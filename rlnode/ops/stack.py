@@ -40,9 +40,9 @@ def check_vllm() -> list[Finding]:
         return [Finding(FAIL, "vllm", f"vLLM {version} has metadata but no importable package")]
     site = Path(list(spec.submodule_search_locations)[0]).parent
     from rlnode.tools.vllm_api_snapshot import snapshot_release
-    from rlnode.tools.vllm_contract import scan, violations
+    from rlnode.tools.vllm_contract import contract, violations
 
-    uses = scan()
+    uses = contract()
     try:
         snap = snapshot_release(str(site), uses)
         snap["vllm"] = version  # the dist-info found beside it may be another vllm*'s

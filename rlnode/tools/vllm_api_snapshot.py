@@ -8,10 +8,11 @@ supported release. Records two things:
   dataclass fields, ``__init__`` attributes) that feature detection reads;
   ``vllm_compat.live_snapshot()`` produces the same from the installed
   package (tests compare the two);
-* ``uses``: for every use that ``rlnode.tools.vllm_contract.scan()`` finds in
-  rlnode's source, whether the release defines it (true / false / null when
-  it cannot be told, e.g. an attribute inherited from a class outside vLLM)
-  and, for calls, the parameters it takes (``**`` when it takes any).
+* ``uses``: for every use that ``rlnode.tools.vllm_contract.contract()``
+  lists (the scan of rlnode's source and ``DECLARED``), whether the release
+  defines it (true / false / null when it cannot be told, e.g. an attribute
+  inherited from a class outside vLLM), for calls the parameters it takes
+  (``**`` when it takes any), for a ``Literal`` alias the values it holds.
 
     python -m rlnode.tools.vllm_api_snapshot vllm-0.26.0-....whl -o tests/data/vllm_api/vllm-0.26.0.json
 
@@ -29,7 +30,7 @@ import zipfile
 from pathlib import Path
 
 from rlnode.actor.vllm_compat import SYMBOLS, Symbol, init_attrs_of
-from rlnode.tools.vllm_contract import ONCE_BROKEN, Use, scan
+from rlnode.tools.vllm_contract import ONCE_BROKEN, Use, contract
 
 
 def _params(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> list[str]:
@@ -167,10 +168,10 @@ class Resolver:
             if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
                 found = ("def", node, module)
             elif isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
-                found = ("value", None, module)
+                found = ("value", node, module)
             elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.target.id == name \
                     and node.value is not None:
-                found = ("value", None, module)
+                found = ("value", node, module)
             elif isinstance(node, ast.ImportFrom):
                 src = self._absolute(module, node)
                 for alias in node.names:
@@ -305,7 +306,19 @@ class Resolver:
                 out["params"] = _call_params(b[1])
         elif use.kind == "call":
             out["params"] = None
+        if use.kind == "values":
+            out["values"] = _literal_values(b[1]) if defined and b is not None and b[0] == "value" else None
         return out
+
+
+def _literal_values(node: ast.Assign | ast.AnnAssign | None) -> list[str] | None:
+    """The members of ``X = Literal[a, b, ...]`` as written (``"16"``); None
+    when the value is something else."""
+    value = getattr(node, "value", None)
+    if not isinstance(value, ast.Subscript) or ast.unparse(value.value) not in ("Literal", "typing.Literal"):
+        return None
+    members = value.slice.elts if isinstance(value.slice, ast.Tuple) else [value.slice]
+    return [ast.unparse(m) for m in members]
 
 
 def _is_classvar(annotation: ast.AST) -> bool:
@@ -332,7 +345,7 @@ def snapshot_release(path: str, uses: list[Use] | None = None) -> dict:
             symbols[sym.key] = None if source is None else symbol_from_source(source, sym)
         resolver = Resolver(release)
         facts = {}
-        for use in (scan() + list(ONCE_BROKEN)) if uses is None else uses:
+        for use in (contract() + list(ONCE_BROKEN)) if uses is None else uses:
             if use.key not in facts:
                 facts[use.key] = resolver.fact(use)
         return {"vllm": version, "dist": dist, "symbols": symbols, "uses": dict(sorted(facts.items()))}

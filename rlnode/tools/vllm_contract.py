@@ -12,13 +12,18 @@ imported or run):
   ``m.func``): ``A`` must have ``attr`` (an ``attr`` use);
 * ``A(k=...)`` / ``A.meth(k=...)``: every keyword must be a parameter of the
   function, of ``A.__init__``, or a field of a dataclass / msgspec Struct
-  (a ``call`` use). ``A(**kw)`` where ``kw = dict(k=...)`` and
-  ``kw["k2"] = ...`` in the same function counts ``k`` and ``k2`` too;
+  (a ``call`` use). ``A(**kw)`` where ``kw = dict(k=...)``,
+  ``kw["k2"] = ...`` and ``kw.update(k3=...)`` in the same function counts
+  ``k``, ``k2`` and ``k3`` too;
 * a class that subclasses a vLLM class and calls ``super().meth(...)``: the
   base must have ``meth``.
 
 An import inside a ``try`` whose handler catches ImportError (or
 Exception) is *optional*: it is recorded, but its absence is allowed.
+What the scan cannot see, the methods rlnode calls on an ``AsyncLLM``
+instance (the LoRA path's ``add_lora``, ``generate(lora_request=...)``)
+and the values a vLLM ``Literal`` accepts (``max_lora_rank``), is listed
+by hand in ``DECLARED``; ``contract()`` is the scan and that list.
 Version-gated uses that go through ``rlnode.actor.vllm_compat`` are checked
 there (``SYMBOLS``), with instance attributes this scan cannot see.
 
@@ -41,7 +46,9 @@ class Use(NamedTuple):
 
     ``kind``: ``name`` (``module`` defines ``qualname``), ``attr`` (the
     object at ``qualname`` has its last part as an attribute; a class's
-    bases count), ``call`` (``keywords`` are accepted by calling it)."""
+    bases count), ``call`` (``keywords`` are accepted by calling it),
+    ``values`` (``qualname`` is a ``Literal[...]`` alias that holds every
+    one of ``keywords``, each written as in source: ``"16"``)."""
 
     module: str
     qualname: str
@@ -94,6 +101,9 @@ def _dict_keys(func: ast.AST, var: str) -> tuple[str, ...] | None:
                 elif isinstance(t, ast.Subscript) and isinstance(t.value, ast.Name) and t.value.id == var \
                         and isinstance(t.slice, ast.Constant) and isinstance(t.slice.value, str):
                     keys.append(t.slice.value)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "update" \
+                and isinstance(node.func.value, ast.Name) and node.func.value.id == var:
+            keys += [k.arg for k in node.keywords if k.arg]  # var.update(k=...)
     return tuple(dict.fromkeys(keys)) if seen else None
 
 
@@ -222,6 +232,35 @@ ONCE_BROKEN: tuple[Use, ...] = (
 )
 
 
+# The LoRA path (issue 38: engine args, adapters served per version, the
+# worker extension): what it takes from vLLM that the scan cannot see
+# (methods of an AsyncLLM instance, a Literal's values), required on every
+# supported release. LoRARequest's first three fields are passed by position.
+_LORA = "LoRA path (rlnode/actor/engine_adapters.py, engine_env.py, rlnode/weights/worker.py)"
+LORA_ENGINE_ARGS = ("enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras")
+# rlnode.config.VLLM_LORA_RANKS, as vLLM writes them (a test keeps the two equal).
+LORA_RANKS = ("1", "8", "16", "32", "64", "128", "256", "320", "512")
+DECLARED: tuple[Use, ...] = (
+    Use("vllm.engine.arg_utils", "AsyncEngineArgs", "call", LORA_ENGINE_ARGS, where=_LORA),
+    Use("vllm.config.lora", "MaxLoRARanks", "values", LORA_RANKS, where=_LORA),
+    # The worker extension reads the engine's adapter bound (rlnode/weights/worker.py).
+    Use("vllm.config.vllm", "VllmConfig.lora_config", "attr", where=_LORA),
+    Use("vllm.config.lora", "LoRAConfig.max_lora_rank", "attr", where=_LORA),
+    Use("vllm.lora.request", "LoRARequest", "name", where=_LORA),
+    Use("vllm.lora.request", "LoRARequest", "call", ("lora_name", "lora_int_id", "lora_path", "load_inplace"),
+        where=_LORA),
+    Use("vllm.v1.engine.async_llm", "AsyncLLM.add_lora", "call", ("lora_request",), where=_LORA),
+    Use("vllm.v1.engine.async_llm", "AsyncLLM.remove_lora", "call", ("lora_id",), where=_LORA),
+    Use("vllm.v1.engine.async_llm", "AsyncLLM.list_loras", "call", (), where=_LORA),
+    Use("vllm.v1.engine.async_llm", "AsyncLLM.generate", "call", ("lora_request",), where=_LORA),
+)
+
+
+def contract(root: Path = RLNODE_ROOT) -> list[Use]:
+    """What rlnode needs of vLLM: the scan of its source and ``DECLARED``."""
+    return scan(root) + list(DECLARED)
+
+
 def required_keys(uses: list[Use]) -> dict[str, list[Use]]:
     """Uses grouped by the key a snapshot records them under."""
     out: dict[str, list[Use]] = {}
@@ -255,6 +294,12 @@ def violations(uses: list[Use], snapshot: dict) -> list[str]:
             if required:
                 out.append(f"{who} has no {key.split(' ', 1)[1]} (used at "
                            f"{', '.join(sorted({u.where for u in required}))})")
+            continue
+        if "values" in fact:
+            for u in group:
+                if bad := [v for v in u.keywords if v not in (fact["values"] or ())]:
+                    out.append(f"{who}: {u.qualname} does not accept {', '.join(bad)} (used at {u.where}; it "
+                               f"accepts {', '.join(fact['values'] or []) or 'nothing rlnode can read'})")
             continue
         params = fact.get("params")
         if params is None or "**" in params:
