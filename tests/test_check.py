@@ -265,3 +265,25 @@ def test_the_attention_line_says_what_a_cuda_trainer_gets(tiny_model_dir, tmp_pa
     assert f.level == WARN and "sdpa (flash_attn is not installed)" in f.detail and "no mask" in f.detail
     fp32 = load_config(DEMO, _sets(tiny_model_dir, tmp_path, 'trainer.device="cuda"'))
     assert check_attention(fp32, "trainer", 1)[0].level == OK
+
+
+def test_the_lora_line_reports_the_adapter_and_what_the_engines_start_with(tiny_model_dir, tmp_path, monkeypatch):
+    """Issue 38: a LoRA run's line names trainer.lora and the engines'
+    enable_lora / max_loras / max_lora_rank, checked against the installed
+    vLLM's source (the contract's LoRA uses, with this rank)."""
+    from rlnode.ops.stack import check_lora
+    from rlnode.tools import vllm_contract
+
+    cfg = load_config(DEMO, _sets(tiny_model_dir, tmp_path, "trainer.lora.rank=10", "trainer.parallel.ranks=1"))
+    (f,) = check_lora(cfg)
+    assert f.level == OK and f.what == "lora", f
+    assert "trainer.lora rank 10, alpha 32, targets q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj" in f.detail
+    assert "engines: enable_lora, max_loras 4, max_lora_rank 16" in f.detail  # the smallest vLLM rank >= 10
+    assert "vLLM 0.32.0 has them" in f.detail
+    assert any(x.what == "lora" for x in run_checks(cfg, "actor", gpus=0))
+    assert check_lora(load_config(DEMO, _sets(tiny_model_dir, tmp_path))) == []  # full weights: no line
+    # A vLLM without what the LoRA path calls: named.
+    missing = vllm_contract.Use("vllm.v1.engine.async_llm", "AsyncLLM.add_adapter", "call", where="x.py:1")
+    monkeypatch.setattr(vllm_contract, "DECLARED", (*vllm_contract.DECLARED, missing))
+    (f,) = check_lora(cfg)
+    assert f.level == FAIL and "has no vllm.v1.engine.async_llm:AsyncLLM.add_adapter" in f.detail

@@ -4,6 +4,7 @@ What the first GPU contact broke before (issue 19), each turned into a
 check that runs in seconds, before any engine starts:
 
     ok    vllm      vllm 0.26.0 (in vllm>=0.26,<0.33): 31 uses of its API, all present
+    ok    lora      trainer.lora rank 16, alpha 32, targets q_proj,...; engines: enable_lora, max_loras 4, ...
     FAIL  nccl      trainer.weights.backend = "nccl" needs NCCL, which does not load here: ...
     FAIL  guard     rlnode's engine guard is not registered with vLLM ...
     ok    ipc       every engine sees the trainer's GPU GPU-8f3a...: weights by CUDA IPC
@@ -33,12 +34,9 @@ def check_vllm() -> list[Finding]:
         vllm_compat.check_version(version)
     except vllm_compat.UnsupportedVLLM as e:
         return [Finding(FAIL, "vllm", str(e))]
-    import importlib.util
-
-    spec = importlib.util.find_spec("vllm")
-    if spec is None or not spec.submodule_search_locations:
+    site = _vllm_site()
+    if site is None:
         return [Finding(FAIL, "vllm", f"vLLM {version} has metadata but no importable package")]
-    site = Path(list(spec.submodule_search_locations)[0]).parent
     from rlnode.tools.vllm_api_snapshot import snapshot_release
     from rlnode.tools.vllm_contract import contract, violations
 
@@ -57,6 +55,54 @@ def check_vllm() -> list[Finding]:
     paths = "weight versions from vLLM" if detected.weight_versions else "weight versions tracked by rlnode"
     return [Finding(OK, "vllm", f"vllm {version} (in vllm{vllm_compat.SUPPORTED}): {len({u.key for u in uses})} "
                     f"uses of its API, all present; {paths}")]
+
+
+def _vllm_site() -> Path | None:
+    """The folder the installed ``vllm`` package is in (its source is read
+    there, not imported); None when it cannot be imported."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0]).parent
+
+
+def check_lora(cfg: Config) -> list[Finding]:
+    """A LoRA run (``trainer.lora.rank`` > 0): the adapter the trainer
+    trains, the adapter arguments every engine starts with
+    (``config.engine_lora_rank``), and whether the installed vLLM has what
+    the LoRA path uses (``vllm_contract.DECLARED``: the engine arguments,
+    ``LoRARequest``, ``AsyncLLM.add_lora`` / ``remove_lora``,
+    ``generate(lora_request=)``, this rank among ``MaxLoRARanks``). Nothing
+    when LoRA is off."""
+    from rlnode.config import engine_lora_rank
+
+    lora, eng = cfg.trainer.lora, cfg.actor.engine
+    if lora.rank == 0:
+        return []
+    rank = engine_lora_rank(cfg)
+    said = (f"trainer.lora rank {lora.rank}, alpha {lora.alpha:g}, targets {','.join(lora.target_modules)}; "
+            f"engines: enable_lora, max_loras {eng.max_loras}, max_lora_rank {rank}")
+    from rlnode.actor import vllm_compat
+    from rlnode.tools.vllm_api_snapshot import snapshot_release
+    from rlnode.tools.vllm_contract import DECLARED, violations
+
+    site = _vllm_site()
+    if site is None:
+        return [Finding(FAIL, "lora", f"{said}: no importable vLLM to serve adapters")]
+    uses = [u._replace(keywords=(str(rank),)) if u.kind == "values" else u for u in DECLARED]
+    try:
+        version = vllm_compat.installed_version()
+        snap = snapshot_release(str(site), uses)
+        snap["vllm"] = version
+        problems = violations(uses, snap)
+    except Exception as e:  # noqa: BLE001 - the vllm finding says what is wrong with the install
+        return [Finding(FAIL, "lora", f"{said}: could not read vLLM's LoRA API: {e!r}")]
+    if problems:
+        return [Finding(FAIL, "lora", f"{said}: {p}") for p in problems]
+    return [Finding(OK, "lora", f"{said}: vLLM {version} has them (LoRARequest, add_lora/remove_lora, "
+                    f"generate(lora_request=), rank {rank})")]
 
 
 def check_guard() -> list[Finding]:
@@ -213,6 +259,7 @@ def check_stack(cfg: Config, role: str, gpus: int, here: bool = True,
     """``here``: the GPUs are this machine's (False: ``--gpus N`` describes
     another machine, whose libraries this one cannot load for it)."""
     out = check_vllm()
+    out += check_lora(cfg)
     if role in ("actor", "all"):
         out += check_guard()
     if here:
@@ -226,5 +273,5 @@ def check_stack(cfg: Config, role: str, gpus: int, here: bool = True,
     return out
 
 
-__all__ = ["FAIL", "OK", "WARN", "check_attention", "check_guard", "check_ipc", "check_memory", "check_nccl",
-           "check_stack", "check_vllm", "cuda_roles", "nccl_needed", "nccl_version"]
+__all__ = ["FAIL", "OK", "WARN", "check_attention", "check_guard", "check_ipc", "check_lora", "check_memory",
+           "check_nccl", "check_stack", "check_vllm", "cuda_roles", "nccl_needed", "nccl_version"]
