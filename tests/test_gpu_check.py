@@ -23,11 +23,13 @@ def test_the_plan_names_every_step_and_marks_the_cuda_ones():
     assert steps == ["environment", "models", "check", "router",
                      "weights_gloo_untied", "weights_gloo_tied",
                      "weights_nccl_untied  [cuda only]", "weights_nccl_tied  [cuda only]",
-                     "weights_cuda_ipc_untied  [cuda only]", "weights_cuda_ipc_tied  [cuda only]",
+                     "weights_cuda_ipc_untied  [cuda only]", "weights_cuda_ipc_tied  [cuda only]", "lora",
                      "trainer_qwen3-0.6b  [cuda only]", "trainer_qwen3-1.7b  [cuda only]",
                      "trainer_tiny", "gateway", "gateway_capacity", "run"]
     assert "--backend cuda_ipc" in out.stdout and "--preset qwen3-1.7b" in out.stdout
     assert "trainer.max_steps=20" in out.stdout
+    (lora,) = [line for line in out.stdout.splitlines() if " weights " in line and "--lora" in line]
+    assert "--lora --lora-rank 16" in lora and "--json" in lora and "trainer.parallel.ranks=1" in lora
     assert "bench gateway" in out.stdout and "--max-tokens 1" in out.stdout
 
 

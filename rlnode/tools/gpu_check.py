@@ -16,6 +16,8 @@ allows 10 minutes a command):
   weights_*     ``rlnode bench weights --backend gloo|nccl|cuda_ipc``: an in-flight update,
                 its phases, the generation stall, and engine-vs-transformers logprob parity
                 after the update (a backend this host cannot run is recorded as refused)
+  lora          ``rlnode bench weights --lora --lora-rank 16``: a rank-16 adapter update (a new
+                vLLM adapter per version, no pause) beside a full-weight update of the same model
   trainer_*     ``rlnode bench trainer`` at Qwen3-0.6B and -1.7B shapes (random weights,
                 real vocabulary), bf16-mixed: tokens/s, MFU, peak memory vs the memory plan
   run           a 20-step ``rlnode --role all`` run of the demo on one device: steps,
@@ -94,6 +96,13 @@ def plan(device: str, work: Path) -> list[Step]:
                 "bench", "weights", *base, *_device_sets(device, model, str(work / f"weights-{backend}")),
                 "--model", model, "--backend", backend, "--rounds", "2", "--json")],
                 cuda_only=backend != "gloo", timeout_s=240))
+    # Issue 38: a LoRA update (rank 16 adapter served as a new vLLM adapter,
+    # no pause) beside a full-weight one: update time, bytes, stall, largest
+    # token gap, logprob parity. vLLM has LoRA kernels on CPU too.
+    steps.append(Step("lora", [_rlnode(
+        "bench", "weights", *base, *_device_sets(device, tiny, str(work / "weights-lora")),
+        "--set", "trainer.parallel.ranks=1", "--model", tiny, "--lora", "--lora-rank", "16", "--rounds", "2",
+        "--json")], timeout_s=240))
     for preset in ("qwen3-0.6b", "qwen3-1.7b"):
         path = str(work / preset)
         steps.append(Step(f"trainer_{preset}", [
