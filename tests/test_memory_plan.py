@@ -18,14 +18,17 @@ import pytest
 import torch
 
 from rlnode.config import load_config
-from rlnode.trainer.memory_plan import (GiB, DoesNotFit, ModelShape, check_learner_memory, largest_micro_batch,
-                                        knobs_for_config, plan_for_config)
+from rlnode.trainer.memory_plan import (GiB, DoesNotFit, ModelShape, UnsupportedModel, check_learner_memory,
+                                        knobs_for_config, largest_micro_batch, plan_for_config)
 
 QWEN3 = dict(model_type="qwen3", vocab_size=151936, head_dim=128, num_key_value_heads=8, tie_word_embeddings=True)
 QWEN3_1_7B = {**QWEN3, "hidden_size": 2048, "num_hidden_layers": 28, "intermediate_size": 6144,
               "num_attention_heads": 16}
 QWEN3_4B = {**QWEN3, "hidden_size": 2560, "num_hidden_layers": 36, "intermediate_size": 9728,
             "num_attention_heads": 32}
+# Llama-3-8B's config.json shapes (issue 38's 8B policy): untied, 128k vocabulary.
+LLAMA3_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                 num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False)
 # torch.cuda.mem_get_info's free bytes on an idle 80 GB H100: 79.6 GiB in
 # all, less the CUDA context.
 H100_FREE = 79 * GiB
@@ -206,6 +209,67 @@ def test_adamw_impl_reaches_the_optimizer(tiny_model_dir, hf_model):
     for impl in ("fused", "foreach"):  # the same update, rounded differently
         for n, p in after["auto"].items():
             assert (after[impl][n] - p).abs().max() < 1e-6, (impl, n)
+
+
+# The 8B run of issue 38: a bf16 model, bf16-mixed training (fp32 updates),
+# 2k-token micro-batches with checkpointing, fused AdamW, the KL term on.
+BASE_8B = ("model.dtype=\"bfloat16\"", 'trainer.precision="bf16-mixed"', 'trainer.optim.adamw_impl="fused"',
+           "trainer.micro_batch_tokens=2048", "trainer.activation_checkpointing=true", "trainer.parallel.ranks=1",
+           "trainer.loss.kl_coef=0.01")
+
+
+def plan8b(*sets, device=H100_FREE):
+    return plan_for_config(config(*BASE_8B, *sets), device, shape=ModelShape.from_config(LLAMA3_8B))
+
+
+def test_an_8b_policy_with_lora_fits_one_80gb_gpu_and_full_fine_tuning_does_not():
+    """Issue 38: LoRA rank 16 on all 7 projections of a Llama-3-8B-shaped
+    policy. Only the adapter (41.9M parameters, fp32) has gradients and
+    AdamW state; the base is frozen and is its own KL reference."""
+    m = ModelShape.from_config(LLAMA3_8B)
+    assert m.params() == 8_030_261_248  # Llama-3-8B's published count
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    # r * (in + out) per projection: q, o 4096+4096; k, v 4096+1024; gate, up, down 4096+14336.
+    assert m.adapter_params(16, targets) == 32 * 16 * (2 * 8192 + 2 * 5120 + 3 * 18432) == 41_943_040
+    full = plan8b()
+    assert full.verdict == "does_not_fit" and full.total > 140 * GiB and full.reference_model == 16_060_522_496
+    assert any(a.startswith("trainer.lora.rank = 16") for a in full.advice)
+    assert "trainer.lora.rank = 16 (a LoRA adapter on every projection, 42M parameters" in full.describe()
+    lora = plan8b("trainer.lora.rank=16")
+    assert lora.verdict == "fits" and lora.total < 55 * GiB, lora.describe()
+    A = lora.adapter_params
+    assert (lora.lora_rank, A) == (16, 41_943_040)
+    assert (lora.adapter_weights, lora.gradients, lora.optimizer_states) == (4 * A, 4 * A, 8 * A)  # fp32
+    assert lora.master_weights == 4 * m.params() and lora.reference_model == 0  # frozen fp32 base, no second copy
+    text = lora.describe()
+    assert "llama 8.03B params, LoRA rank 16 (41.9M trained, base frozen)" in text and "fits in 79.0 GiB" in text
+    assert "frozen fp32 base 29.9" in text
+    # Pure bf16 halves the frozen base; the full run's 8 B/param then fit with
+    # fused AdamW but not with foreach's per-step temporaries.
+    assert plan8b('trainer.precision="bf16"', "trainer.lora.rank=16").total < 25 * GiB
+    assert plan8b('trainer.precision="bf16"', 'trainer.optim.adamw_impl="foreach"').verdict == "does_not_fit"
+
+
+def test_lora_dropout_and_the_optimizer_temporaries_count_only_the_adapter():
+    nodrop, drop = plan8b("trainer.lora.rank=16"), plan8b("trainer.lora.rank=16", "trainer.lora.dropout=0.05")
+    assert drop.activations > nodrop.activations  # each target's dropped-out input is kept
+    foreach = plan8b("trainer.lora.rank=16", 'trainer.optim.adamw_impl="foreach"')
+    assert foreach.optimizer_temporaries == 4 * foreach.adapter_params
+    with pytest.raises(UnsupportedModel, match="lm_head"):
+        plan8b("trainer.lora.rank=16", 'trainer.lora.target_modules=["q_proj", "lm_head"]')
+
+
+def test_the_adapter_parameter_count_is_what_peft_trains(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from rlnode.tiny_model import build_tiny_model
+    from rlnode.weights.lora import wrap
+
+    path = build_tiny_model(tmp_path / "tiny", arch="llama")
+    cfg = config("trainer.lora.rank=8", "trainer.parallel.ranks=1")
+    model = wrap(AutoModelForCausalLM.from_pretrained(path), cfg.trainer.lora)
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert trained == ModelShape.from_dir(path).adapter_params(8, cfg.trainer.lora.target_modules) > 0
 
 
 def test_the_plan_module_imports_without_torch():

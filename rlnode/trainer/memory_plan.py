@@ -16,6 +16,16 @@ What rlnode keeps per parameter (learner.py, parallel.py), in bytes:
                copies)
   bf16         2               -             2       2 + 2           2
 
+With ``trainer.lora.rank`` > 0 the base is frozen in the same dtype (no
+gradients, no AdamW state, no fp32 copy beyond what the precision keeps)
+and the KL reference is the base with the adapter off (no second model).
+Only the adapter trains: r * (in + out) parameters per target projection
+per layer (``ModelShape.adapter_params``), fp32 whatever the precision
+(peft upcasts a bf16 base's adapter), each with its fp32 gradient and two
+fp32 AdamW moments: 16 B per adapter parameter. Its activations are the
+full run's (gradients flow through every layer to reach the adapters),
+plus each target's dropped-out input when ``trainer.lora.dropout`` > 0.
+
 torch's AdamW allocates its state ``zeros_like(param)``, so the state dtype
 is the parameters' (trainer.precision). "bf16-mixed" keeps no bf16 copy of
 its own: autocast casts each decoder linear weight once per forward and
@@ -158,6 +168,22 @@ class ModelShape(msgspec.Struct, frozen=True, kw_only=True):
         attn = H * (q + 2 * k) + q * H + self.qkv_bias * (q + 2 * k) + self.o_bias * H
         return attn + 3 * H * I + self.mlp_bias * (2 * I + H)
 
+    def projections(self) -> dict[str, tuple[int, int]]:
+        """(in, out) features of each decoder-layer projection, by the module
+        name peft matches (``trainer.lora.target_modules``)."""
+        H, q, k, I = self.hidden, self.q, self.k, self.intermediate
+        return {"q_proj": (H, q), "k_proj": (H, k), "v_proj": (H, k), "o_proj": (q, H),
+                "gate_proj": (H, I), "up_proj": (H, I), "down_proj": (I, H)}
+
+    def adapter_params(self, rank: int, targets: tuple[str, ...] | list[str]) -> int:
+        """A LoRA adapter's parameters: r * (in + out) for each target
+        projection of each layer (A is r x in, B is out x r)."""
+        dims = self.projections()
+        if unknown := [t for t in targets if t not in dims]:
+            raise UnsupportedModel(f"trainer.lora.target_modules {unknown}: the plan counts adapters on "
+                                   f"{', '.join(dims)} only")
+        return self.layers * sum(rank * sum(dims[t]) for t in targets)
+
     def layer_params(self) -> int:
         return self.linear_params() + 2 * self.hidden + self.qk_norm * 2 * self.head_dim
 
@@ -191,6 +217,8 @@ class MemoryPlan(msgspec.Struct, kw_only=True):
 
     model: str  # model_type and parameter count, for messages
     params: int
+    lora_rank: int = 0  # trainer.lora.rank; 0 = every parameter trains
+    adapter_params: int = 0  # what trains with LoRA (fp32)
     ranks: int  # FSDP2 shard factor
     precision: str
     adamw_impl: AdamWImpl
@@ -199,6 +227,7 @@ class MemoryPlan(msgspec.Struct, kw_only=True):
     chunk_tokens: int  # scoring chunk (logprob_chunk_tokens, at most tokens)
     activation_checkpointing: bool
     weights: int  # what the forward reads (bf16-mixed: the autocast bf16 copies)
+    adapter_weights: int = 0  # LoRA: the adapter's fp32 parameters
     master_weights: int  # fp32 master weights (bf16-mixed), sharded
     gradients: int
     optimizer_states: int  # AdamW exp_avg + exp_avg_sq, in the parameters' dtype
@@ -225,7 +254,10 @@ class MemoryPlan(msgspec.Struct, kw_only=True):
         """One paragraph: the verdict, the biggest terms in GiB, what to change."""
         bound = f"micro-batches of {self.tokens} tokens" + ("" if self.tokens_exact else
                                                             " (micro_batch_size x max_model_len, a worst case)")
-        head = (f"trainer memory plan: {self.model}, {self.ranks} rank(s), {self.precision}, {self.adamw_impl} AdamW, "
+        lora = (f", LoRA rank {self.lora_rank} ({self.adapter_params / 1e6:.1f}M trained, base frozen)"
+                if self.lora_rank else "")
+        head = (f"trainer memory plan: {self.model}{lora}, {self.ranks} rank(s), {self.precision}, "
+                f"{self.adamw_impl} AdamW, "
                 f"{bound}: peak {_g(self.peak)} GiB in the {self.peak_phase} phase + {_g(self.reserve)} GiB reserve "
                 f"= {_g(self.total)} GiB per GPU, ")
         room = f"{_g(self.device_bytes)} GiB free"
@@ -233,6 +265,8 @@ class MemoryPlan(msgspec.Struct, kw_only=True):
                    "may_not_fit": f"may not fit in {room} if micro-batches reach that size."}[self.verdict]
         # bf16-mixed's "weights" are the bf16 copies the forward computes with.
         label = {"weights": "bf16 weight copies"} if self.precision == "bf16-mixed" else {}
+        if self.lora_rank:  # the base does not train: no master copy, just the frozen weights
+            label = {**label, "master_weights": "frozen fp32 base"} if label else {"weights": "frozen base"}
         terms = ", ".join(f"{label.get(k, k.replace('_', ' '))} {_g(v)}"
                           for k, v in list(self.peak_terms.items())[:5])
         text = f"{head}{verdict} Biggest terms (GiB): {terms}."
@@ -265,12 +299,17 @@ class _Knobs(msgspec.Struct, kw_only=True):
     ckpt: bool
     eager: bool  # eager attention keeps [heads, L, L] scores per row
     kl: bool
+    lora_rank: int = 0  # trainer.lora.rank; 0 = full fine-tuning
+    lora_targets: tuple[str, ...] = ()
+    lora_dropout: bool = False
 
 
 def _state_terms(m: ModelShape, k: _Knobs) -> dict[str, int]:
     """Weights, gradients, AdamW state and temporaries, per rank. "weights"
     is what persists; "copies" what exists only around forward/backward
     (bf16-mixed's autocast copies; FSDP2's gathered layers)."""
+    if k.lora_rank:
+        return _lora_state_terms(m, k)
     P, N, b = m.params(), k.ranks, PRECISION_BYTES[k.precision]
     mixed = k.precision == "bf16-mixed"
     shard = -(-P // N)
@@ -285,8 +324,24 @@ def _state_terms(m: ModelShape, k: _Knobs) -> dict[str, int]:
         fsdp = int(head_group * 2 * b * (1 - 1 / N)) + m.layer_params() * b
     temps = {"fused": 0, "foreach": shard * b, "for_loop": 2 * m.vocab * m.hidden * b}[k.adamw_impl]
     return dict(weights=0 if mixed else shard * b, copies=copies, master_weights=shard * b if mixed else 0,
-                gradients=shard * b, optimizer_states=2 * shard * b, optimizer_temporaries=temps,
+                adapter_weights=0, gradients=shard * b, optimizer_states=2 * shard * b, optimizer_temporaries=temps,
                 fsdp_unsharded=fsdp, reference_model=P * (4 if k.precision == "fp32" else 2) if k.kl else 0)
+
+
+def _lora_state_terms(m: ModelShape, k: _Knobs) -> dict[str, int]:
+    """trainer.lora (one rank): the base frozen in the precision's dtype, the
+    adapter fp32 with fp32 gradients and AdamW moments; the KL reference is
+    the base with the adapter off (module docstring)."""
+    P, A, b = m.params(), m.adapter_params(k.lora_rank, k.lora_targets), PRECISION_BYTES[k.precision]
+    mixed = k.precision == "bf16-mixed"
+    # autocast's bf16 copies of the frozen linears: not cached (no grad), but
+    # each is saved for the backward that reaches the adapters below it.
+    copies = 2 * m.layers * m.linear_params() if mixed else 0
+    biggest = k.lora_rank * max(sum(d) for d in m.projections().values())  # the largest A + B pair
+    temps = {"fused": 0, "foreach": A * 4, "for_loop": 2 * biggest * 4}[k.adamw_impl]
+    return dict(weights=0 if mixed else P * b, copies=copies, master_weights=P * b if mixed else 0,
+                adapter_weights=A * 4, gradients=A * 4, optimizer_states=2 * A * 4, optimizer_temporaries=temps,
+                fsdp_unsharded=0, reference_model=0)
 
 
 def _activation_terms(m: ModelShape, k: _Knobs) -> dict[str, int]:
@@ -298,6 +353,9 @@ def _activation_terms(m: ModelShape, k: _Knobs) -> dict[str, int]:
     if k.eager:
         layer += m.heads * min(k.max_len, T) * (4 + COMPUTE_BYTES[k.precision]) * T  # fp32 softmax + its cast
     outside = (4 + 2 * r) * m.hidden * T  # embedding output, final norm, the head's input rows
+    if k.lora_rank and k.lora_dropout:  # each target's dropped-out input and its mask
+        dims = m.projections()
+        layer += sum(dims[t][0] for t in k.lora_targets) * (COMPUTE_BYTES[k.precision] + 1) * T
     kept = outside + (m.layers * r * m.hidden * T if k.ckpt else m.layers * layer)
     unit = min(k.chunk, T) * m.vocab * 4
     return dict(kept=kept, layer=(2 if k.ckpt else 1) * layer, head_fwd=HEAD_FORWARD_TENSORS * unit,
@@ -307,15 +365,16 @@ def _activation_terms(m: ModelShape, k: _Knobs) -> dict[str, int]:
 def _phase_terms(m: ModelShape, k: _Knobs) -> dict[str, dict[str, int]]:
     """Which terms coexist in each phase (module docstring)."""
     s, a = _state_terms(m, k), _activation_terms(m, k)
-    state = {n: s[n] for n in ("weights", "master_weights", "gradients", "optimizer_states", "fsdp_unsharded",
-                               "reference_model")}
+    state = {n: s[n] for n in ("weights", "master_weights", "adapter_weights", "gradients", "optimizer_states",
+                               "fsdp_unsharded", "reference_model")}
     # Checkpointing: the autocast copies die with the forward's autocast
     # region; FSDP2 regathers its layers in backward either way.
     copies_bwd = s["copies"] if not k.ckpt or k.ranks > 1 else 0
     head_wins = a["head_bwd"] >= a["layer"]
     full = "master_weights" if k.precision == "bf16-mixed" else "weights"
     return {
-        "load": {full: m.params() * PRECISION_BYTES[k.precision], "reference_model": s["reference_model"]},
+        "load": {full: m.params() * PRECISION_BYTES[k.precision], "adapter_weights": s["adapter_weights"],
+                 "reference_model": s["reference_model"]},
         "forward": state | {"weights": s["weights"] + s["copies"], "activations": a["kept"],
                             "logits": a["head_fwd"]},
         "backward": state | {"weights": s["weights"] + copies_bwd,
@@ -334,7 +393,9 @@ def _plan(m: ModelShape, k: _Knobs, device_bytes: int) -> MemoryPlan:
     s, a = _state_terms(m, k), _activation_terms(m, k)
     known = "" if m.model_type in KNOWN_TYPES else " (counted as a llama-style decoder)"
     return MemoryPlan(
-        model=f"{m.model_type or 'model'} {m.params() / 1e9:.2f}B params{known}", params=m.params(), ranks=k.ranks,
+        model=f"{m.model_type or 'model'} {m.params() / 1e9:.2f}B params{known}", params=m.params(),
+        lora_rank=k.lora_rank, adapter_params=m.adapter_params(k.lora_rank, k.lora_targets) if k.lora_rank else 0,
+        ranks=k.ranks, adapter_weights=s["adapter_weights"],
         precision=k.precision, adamw_impl=k.adamw_impl, tokens=k.tokens, tokens_exact=k.tokens_exact,
         chunk_tokens=min(k.chunk, k.tokens), activation_checkpointing=k.ckpt, weights=s["weights"] + s["copies"],
         master_weights=s["master_weights"], gradients=s["gradients"], optimizer_states=s["optimizer_states"],
@@ -374,9 +435,11 @@ def knobs_for_config(cfg: Config, *, ranks: int | None = None, tokens: int | Non
     else:
         bound, exact = t.micro_batch_size * max_len, False
     return _Knobs(precision=t.precision, adamw_impl=resolve_adamw_impl(t.optim.adamw_impl, device_type),
-                  ranks=max(1, ranks if ranks is not None else t.parallel.ranks), tokens=bound, tokens_exact=exact,
+                  ranks=1 if t.lora.rank else max(1, ranks if ranks is not None else t.parallel.ranks),
+                  tokens=bound, tokens_exact=exact,
                   max_len=max_len, chunk=t.logprob_chunk_tokens, ckpt=t.activation_checkpointing,
-                  eager=t.attention == "eager", kl=t.loss.kl_coef > 0)
+                  eager=t.attention == "eager", kl=t.loss.kl_coef > 0, lora_rank=t.lora.rank,
+                  lora_targets=tuple(t.lora.target_modules), lora_dropout=t.lora.dropout > 0)
 
 
 def plan_for_config(cfg: Config, device_bytes: int, *, ranks: int | None = None, tokens: int | None = None,
@@ -432,16 +495,22 @@ def advice(m: ModelShape, k: _Knobs, device_bytes: int) -> list[str]:
             and n_ck >= k.max_len:
         out.append(f"trainer.activation_checkpointing = true with trainer.micro_batch_tokens = {n_ck // 256 * 256} "
                    "or less")
-    if ranks := next((r for r in (2, 4, 8) if r > k.ranks and _fits(m, k, device_bytes, ranks=r)), 0):
+    if k.lora_rank:
+        pass  # an adapter run trains on one rank
+    elif ranks := next((r for r in (2, 4, 8) if r > k.ranks and _fits(m, k, device_bytes, ranks=r)), 0):
         out.append(f"trainer.parallel.ranks = {ranks} (FSDP2 over {ranks} GPUs)")
     if k.precision != "bf16" and _fits(m, k, device_bytes, precision="bf16"):
         out.append('trainer.precision = "bf16" (8 B/param instead of 16; an update below bf16 resolution, '
                    "e.g. at lr 1e-6, is lost)")
+    lora = dict(lora_rank=16, lora_targets=tuple(m.projections()), lora_dropout=False, ranks=1)
+    if not k.lora_rank and _fits(m, k, device_bytes, **lora):
+        out.append(f"trainer.lora.rank = 16 (a LoRA adapter on every projection, "
+                   f"{m.adapter_params(16, lora['lora_targets']) / 1e6:.0f}M parameters, trains; the base is frozen)")
     if not any(a.startswith(("trainer.optim", "trainer.micro", "trainer.logprob", "trainer.activation"))
                for a in out):
-        # Only more GPUs or a lower precision alone: say what fits on these.
+        # Only more GPUs, a lower precision or LoRA alone: say what fits on these.
         out += _together(m, k, device_bytes, ranks=False)
-    return out or _together(m, k, device_bytes, ranks=True)
+    return out or _together(m, k, device_bytes, ranks=not k.lora_rank)
 
 
 def _together(m: ModelShape, k: _Knobs, device_bytes: int, ranks: bool) -> list[str]:
