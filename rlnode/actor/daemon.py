@@ -27,7 +27,7 @@ from rlnode.actor.gateway import Gateway, HostedGateway
 from rlnode.actor.generation import LLMClient
 from rlnode.actor.router import AdmissionRouter
 from rlnode.actor.scheduler import Group, RolloutScheduler, VersionSource
-from rlnode.config import Config, actor_node_id, effective_max_lag, groups_in_flight
+from rlnode.config import Config, actor_node_id, effective_max_lag, engine_lora_rank, groups_in_flight
 from rlnode.aio import run_until_stopped, spawn
 from rlnode.cubes.base import Cube
 from rlnode.log import get_logger, set_version
@@ -117,7 +117,8 @@ class ActorDaemon:
         # The weight receiver runs inside each engine's worker processes; it
         # is only needed when a trainer will push weights (or for the fp32 head).
         ext = WORKER_EXTENSION if self.peers or fp32_lm_head_enabled(ecfg, cfg.model) else None
-        self.engines = [Engine(i, cfg.model, ecfg, worker_extension_cls=ext) for i in range(ecfg.num_engines)]
+        self.engines = [Engine(i, cfg.model, ecfg, worker_extension_cls=ext, lora_rank=engine_lora_rank(cfg))
+                        for i in range(ecfg.num_engines)]
         self.link = None
         self._background: set[asyncio.Task] = set()  # control-request handlers in flight
         # Errors a handler hit that the daemon must exit on (a failed weight

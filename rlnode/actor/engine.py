@@ -28,11 +28,14 @@ with ``log_softmax(logits / T)`` (exactly, when top_p = 1 and top_k = -1).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
+import os
 import time
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from rlnode.actor import engine_guard, vllm_compat
+from rlnode.actor.engine_adapters import AdapterSlots
 from rlnode.actor.engine_env import (
     apply_cpu_env, build_engine_args, cpu_env, cuda_env, engine_gpu_assignment, engine_process_env,
     engine_visible_gpus, fp32_lm_head_enabled, fp32_precision_env, resolve_device,
@@ -83,8 +86,13 @@ class Engine:
         model: ModelConfig,
         cfg: EngineConfig,
         worker_extension_cls: str | None = None,
+        lora_rank: int = 0,
     ):
         self.engine_id = engine_id
+        # > 0: a LoRA run (config.engine_lora_rank): the engine serves each
+        # version as an adapter of its own (``adapters``, set by start).
+        self.lora_rank = lora_rank
+        self.adapters: AdapterSlots | None = None
         self.model_cfg = model
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
@@ -131,7 +139,8 @@ class Engine:
             gpus = engine_gpu_assignment(self.cfg, torch.cuda.device_count())[self.engine_id]
             self.visible_gpus = engine_visible_gpus(gpus)
         self._spans = None if vllm_compat.api().weight_versions else vllm_compat.VersionSpans()
-        args = build_engine_args(self.model_cfg, self.cfg, self.engine_id, self.worker_extension_cls)
+        args = build_engine_args(self.model_cfg, self.cfg, self.engine_id, self.worker_extension_cls,
+                                 lora_rank=self.lora_rank)
         t0 = time.monotonic()
         # Building the engine spawns its core process and waits for it
         # (10-30 s): keep that off the event loop.
@@ -142,6 +151,9 @@ class Engine:
         engine_guard.mark_owner()
         before = engine_guard.spawned_children()
         scratch = self.scratch = await asyncio.to_thread(make_engine_scratch, self.engine_id)
+        if self.lora_rank:
+            self.adapters = AdapterSlots(os.path.join(scratch, "adapters"))
+            await asyncio.to_thread(os.makedirs, self.adapters.directory, 0o700, True)
 
         def build() -> AsyncLLM:
             with engine_process_env(gpus, fp32_precision_env(self.cfg, self.model_cfg), scratch):
@@ -180,6 +192,14 @@ class Engine:
         await vllm_compat.set_weight_version(self.llm, version, self._spans)
         self.weight_version = version
 
+    async def serve_adapter(self, label: str, path: str) -> None:
+        """LoRA runs: the adapter in ``path`` (``adapters.next_path``) is
+        version ``label``; new requests run on it from now on, requests in
+        flight finish on theirs. No pause."""
+        if self.adapters is None or self.llm is None:
+            raise EngineError(f"engine {self.engine_id} serves no LoRA adapters (trainer.lora.rank = 0 at its start)")
+        await self.adapters.serve(self.llm, label, path)
+        self.weight_version = label
     def sampling_params(self, s: SamplingSettings, stream: bool = False, cumulative: bool = False):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
@@ -233,15 +253,20 @@ class Engine:
         # (reset_prefix_cache cannot: it fails while requests hold blocks.)
         # The salt names the trainer incarnation too: a trainer resumed from
         # its v100 checkpoint makes a v101 unlike the lost one (cache_salt).
-        prompt = vllm_compat.prompt(prompt_token_ids, cache_salt(self.weight_version))
+        # LoRA runs: the request runs on the current adapter to its end, so
+        # its one version is the adapter's (engine_adapters.py).
+        adapter = self.adapters.acquire() if self.adapters is not None else None
+        label = adapter.label if adapter is not None else self.weight_version
+        prompt = vllm_compat.prompt(prompt_token_ids, cache_salt(label))
         final = None
-        spans = self._spans
+        spans = self._spans if self.adapters is None else None
         if spans is not None:
-            spans.open(rid, self.weight_version)
+            spans.open(rid, label)
         ids: list[int] = []  # DELTA: the completion so far
         lps: list = []
         try:
-            async for out in llm.generate(prompt, params, rid):
+            async for out in llm.generate(prompt, params, rid,
+                                          **({"lora_request": adapter.request} if adapter is not None else {})):
                 final = out
                 if delta and out.outputs:
                     ids.extend(out.outputs[0].token_ids)
@@ -263,6 +288,9 @@ class Engine:
             if out is not None and not delta:
                 ids, lps = out.token_ids, out.logprobs
             versions = spans.close(rid, len(ids) if out else 0) if spans is not None else None
+            if self.adapters is not None:
+                self.adapters.release(llm, adapter)
+                versions = [(label, 0, len(ids))] if out is not None and len(ids) else []
         if out is None:
             self._failed("no output")
             raise EngineError(f"engine {self.engine_id} request {rid} returned no output")
@@ -302,6 +330,9 @@ class Engine:
         if self.llm is None:
             return
         llm, self.llm = self.llm, None
+        if self.adapters is not None:  # removals under way end before the engine does
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.adapters.drain(), 10)
         await self._close(llm)
 
     async def _discard(self, building: asyncio.Future) -> None:

@@ -169,9 +169,11 @@ def build_engine_args(
     cfg: EngineConfig,
     engine_index: int = 0,
     worker_extension_cls: str | None = None,
+    lora_rank: int = 0,
 ):
     """The ``AsyncEngineArgs`` for engine ``engine_index`` (also used by the
-    benchmark to start ``vllm serve`` with the same settings)."""
+    benchmark to start ``vllm serve`` with the same settings). ``lora_rank``
+    > 0 serves LoRA adapters up to that rank (``config.engine_lora_rank``)."""
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     device = resolve_device(cfg.device)
@@ -204,4 +206,11 @@ def build_engine_args(
         kwargs["enable_prefix_caching"] = False
     if worker_extension_cls:
         kwargs["worker_extension_cls"] = worker_extension_cls
+    if lora_rank:
+        # Each version is an adapter of its own (Engine.serve_adapter): up to
+        # max_loras of them in one batch, twice that kept loaded so that an
+        # adapter a request still needs is rarely evicted (vLLM reloads an
+        # evicted one from its files, which stay until no request uses it).
+        kwargs.update(enable_lora=True, max_loras=cfg.max_loras, max_lora_rank=lora_rank,
+                      max_cpu_loras=2 * cfg.max_loras)
     return AsyncEngineArgs(**kwargs)

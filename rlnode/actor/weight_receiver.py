@@ -88,6 +88,8 @@ class UpdateTimings(msgspec.Struct):
     receive_transfer_s: float = 0.0  # broadcasts: waiting for the sender, the bytes, staging copies
     receive_first_bucket_s: float = 0.0  # of which: until the first bucket was in (the sender's pack + its bytes)
     receive_poll_s: float = 0.0  # job finished -> the driver's poll saw it
+    receive_store_s: float = 0.0  # LoRA: the adapter's files written (on the job's thread)
+    adapter: bool = False  # a LoRA adapter, served as a new one: no pause (load_s: add_lora)
 
 
 @dataclass
@@ -325,6 +327,8 @@ async def apply_weight_update(engine: Engine, plan: WeightUpdatePlan, timeout_s:
     plan.validate()
     source = plan.source or source
     label = weights_label(plan.version, source)
+    if plan.adapter is not None:
+        return await _apply_adapter(engine, plan, label, source, timeout_s)
     if overlap_transfer is None:
         overlap_transfer = receives_while_generating(engine)
     held = _weights(engine)
@@ -358,8 +362,42 @@ async def apply_weight_update(engine: Engine, plan: WeightUpdatePlan, timeout_s:
     return timings
 
 
+async def _apply_adapter(engine: Engine, plan: WeightUpdatePlan, label: str, source: str,
+                         timeout_s: float) -> UpdateTimings:
+    """A LoRA run's update: the adapter's bytes come in while the engine
+    generates, the worker writes them as peft's files, and the engine
+    serves them as a new adapter (engine_adapters.py). Nothing pauses:
+    requests in flight finish on the adapter they started with."""
+    held = _weights(engine)
+    async with held.lock:
+        refuse = ""
+        if engine.adapters is None:
+            refuse = (f"engine {engine.engine_id} serves no LoRA adapters: the actor started with "
+                      "trainer.lora.rank = 0, the trainer sends an adapter")
+        elif held.source == source and plan.version < held.version:
+            refuse = f"version {plan.version} is older than version {held.version} that the engine holds"
+        path = engine.adapters.next_path()[1] if engine.adapters is not None else ""
+        t0 = time.monotonic()
+        try:
+            split = await _receive(engine, plan, timeout_s, refuse, adapter_path=path)
+            t1 = time.monotonic()
+            await engine.serve_adapter(label, path)
+        except Exception as e:
+            log.warning("weights.update_failed", engine=engine.engine_id, version=plan.version,
+                        epoch=plan.epoch, error_type=type(e).__name__, error=str(e))
+            raise
+        t2 = time.monotonic()
+        held.source, held.version = source, plan.version
+        timings = UpdateTimings(plan.version, plan.epoch, plan.nbytes, receive_s=t1 - t0, pause_s=0.0,
+                                load_s=t2 - t1, reload_s=0.0, resume_s=0.0, stalled_s=0.0, total_s=t2 - t0,
+                                adapter=True, **{f"receive_{k}": v for k, v in split.items()})
+    log.info("weights.updated", engine=engine.engine_id, label=label,
+             **{k: round(v, 4) if isinstance(v, float) else v for k, v in msgspec.structs.asdict(timings).items()})
+    return timings
+
+
 async def _receive(engine: Engine, plan: WeightUpdatePlan, timeout_s: float, refuse: str = "",
-                   split: dict[str, float] | None = None) -> dict[str, float]:
+                   split: dict[str, float] | None = None, adapter_path: str = "") -> dict[str, float]:
     """Vote (against, with reason ``refuse``, when set) + transfer into the
     workers' staging buffers; on any failure (or cancellation) the staged
     bytes are dropped. Returns where the time went (the slowest worker's
@@ -369,10 +407,11 @@ async def _receive(engine: Engine, plan: WeightUpdatePlan, timeout_s: float, ref
         notices = _notices(engine)
         nonce = f"{plan.epoch}/{plan.version}/{time.monotonic_ns()}"
         t0 = time.monotonic()
-        await _rpc(engine, "rlnode_receive", encode(plan), refuse, notices.addr if notices else "", nonce)
+        await _rpc(engine, "rlnode_receive", encode(plan), refuse, notices.addr if notices else "", nonce,
+                   *((adapter_path,) if adapter_path else ()))
         split["rpc_s"] = time.monotonic() - t0
         workers = await _wait_notices(engine, notices, nonce, timeout_s - split["rpc_s"])
-        for key in ("vote_s", "alloc_s", "transfer_s", "first_bucket_s", "poll_s"):
+        for key in ("vote_s", "alloc_s", "transfer_s", "first_bucket_s", "poll_s", "store_s"):
             split[key] = max((w.get(key, 0.0) for w in workers), default=0.0)
         return split
     except BaseException:

@@ -83,6 +83,7 @@ class TrainerDaemon:
         from rlnode.trainer.weight_push import WeightPusher
         from rlnode.trainer.trackers import open_sinks
         from rlnode.weights.broadcast import WeightBroadcaster, WeightGuard
+        from rlnode.weights.lora import adapter_spec
 
         t = self.cfg.trainer
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -113,7 +114,8 @@ class TrainerDaemon:
                                         timeout_s=t.weights.timeout_s, source=self.link.incarnation)
         self.pusher = WeightPusher(self.link, broadcaster, self.learner.model, WeightGuard(self.version),
                                    request_timeout_s=t.weights.timeout_s + 30, max_failures=t.weights.max_failures,
-                                   ranks=self.ranks, bench_after=t.weights.bench_after)
+                                   ranks=self.ranks, bench_after=t.weights.bench_after,
+                                   adapter=adapter_spec(t.lora) if t.lora.rank else None)
         set_version(self.version)
         log.info("trainer.started", bind=self.link.endpoint, version=self.version, run_dir=str(self.run_dir),
                  resumed=self.resume, device=str(self.learner.device), attention=self.learner.attn_impl)

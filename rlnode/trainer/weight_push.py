@@ -60,7 +60,8 @@ from rlnode.link.base import LinkError
 from rlnode.link.trainer_link import TrainerLink
 from rlnode.log import get_logger
 from rlnode.weights.broadcast import BroadcastStats, WeightBroadcaster, WeightGuard, update_tensors
-from rlnode.weights.plan import PlanMismatch, WeightUpdateError, WeightUpdatePlan
+from rlnode.weights.lora import adapter_tensors
+from rlnode.weights.plan import AdapterSpec, PlanMismatch, WeightUpdateError, WeightUpdatePlan
 from rlnode.weights.protocol import JoinEpoch, LoadWeights, Probe, WeightCommand
 from rlnode.weights.rendezvous import RendezvousError
 
@@ -105,8 +106,12 @@ class Benched:
 
 class WeightPusher:
     def __init__(self, link: TrainerLink, broadcaster: WeightBroadcaster, model, guard: WeightGuard,
-                 request_timeout_s: float = 300.0, max_failures: int = 5, ranks=None, bench_after: int = 2):
+                 request_timeout_s: float = 300.0, max_failures: int = 5, ranks=None, bench_after: int = 2,
+                 adapter: AdapterSpec | None = None):
         self.link = link
+        # A LoRA run (trainer.lora): pushes carry the adapter of ``model`` (a
+        # peft model), which the engines serve as a new adapter per version.
+        self.adapter = adapter
         # FSDP ranks (rlnode.trainer.parallel.RankGroup) when the weights are
         # sharded: every rank takes part in each full-tensor gather.
         self.ranks = ranks
@@ -430,8 +435,8 @@ class WeightPusher:
             if self.ranks is not None:
                 return self.ranks.push(self.broadcaster, version,
                                        lambda plan: loop.call_soon_threadsafe(_resolve, planned, plan))
-            tensors = update_tensors(self.model)
-            plan = self.broadcaster.plan(tensors, version)
+            tensors = adapter_tensors(self.model) if self.adapter is not None else update_tensors(self.model)
+            plan = self.broadcaster.plan(tensors, version, adapter=self.adapter)
             loop.call_soon_threadsafe(_resolve, planned, plan)
             return self.broadcaster.broadcast(plan, tensors)
 

@@ -31,6 +31,7 @@ import msgspec
 from rlnode.log import get_logger
 from rlnode.weights.comm import WeightComm, agree_on_plan
 from rlnode.weights.engine_model import refresh_fp32_head, set_fp32_head, weight_digest
+from rlnode.weights.lora import adapter_mismatch, write_adapter
 from rlnode.weights.plan import (
     LoadError,
     PlanMismatch,
@@ -233,14 +234,18 @@ class WeightReceiverExtension:
 
             torch.cuda.set_device(self.device)
 
-    def rlnode_receive(self, plan_bytes: bytes, refuse: str = "", notify: str = "", nonce: str = "") -> None:
+    def rlnode_receive(self, plan_bytes: bytes, refuse: str = "", notify: str = "", nonce: str = "",
+                       adapter_path: str = "") -> None:
         """Start receiving ``plan`` into staging buffers (engine keeps
         generating). A plan that does not fit the model, or that the driver
         ``refuse``s (its reason), is voted down on the group, so the trainer
         and every other rank skip it too. When the job ends, its outcome
         goes to ``notify`` (the driver's socket) tagged ``nonce``: the
         driver learns it at once, not at its next poll through the busy
-        engine core (one engine step per call)."""
+        engine core (one engine step per call). A LoRA adapter's plan is
+        written, still on the job's thread, as peft's files into
+        ``adapter_path`` (by local rank 0), which the driver then hands to
+        the engine as a new adapter: nothing is staged and no load follows."""
         state = self._rlnode_state()
         plan = decode_plan(plan_bytes)
         comm = state.comm
@@ -261,6 +266,8 @@ class WeightReceiverExtension:
                 except Exception:
                     state.broken = True
                     raise
+                if plan.adapter is not None:
+                    self._rlnode_store_adapter(state, adapter_path)
             except Exception as e:
                 self._rlnode_notify(notify, nonce, _job_state(e), f"{type(e).__name__}: {e}")
                 raise
@@ -272,9 +279,32 @@ class WeightReceiverExtension:
 
     def _rlnode_check(self, plan: WeightUpdatePlan) -> str:
         expected = self._rlnode_state().checkpoint
+        lora = getattr(self.vllm_config, "lora_config", None)
+        max_rank = lora.max_lora_rank if lora is not None else 0
+        if plan.adapter is not None:
+            return adapter_mismatch(plan, expected or {}, max_rank)
+        if max_rank:
+            return ("a full-weight plan to an engine that serves LoRA adapters (trainer.lora.rank > 0 at "
+                    "its start): the trainer and the actor disagree on trainer.lora.rank")
         if not expected:  # not a safetensors checkpoint: nothing to check against
             return ""
         return plan_mismatch(plan, expected, self._rlnode_tied())
+
+    def _rlnode_store_adapter(self, state: _WorkerState, path: str) -> None:
+        """The staged adapter, as peft's files in ``path`` (on the job's
+        thread; local rank 0 writes, every rank drops its staged bytes)."""
+        plan, (bufs, ready) = state.staged
+        state.staged = None
+        if self._rlnode_local_rank() != 0:
+            return
+        if not path:
+            raise LoadError("rlnode: an adapter plan with no adapter_path to write it to")
+        if ready is not None:
+            ready.synchronize()
+        t0 = time.perf_counter()
+        tensors = [t for bucket, buf in zip(plan.buckets, bufs) for t in unpack_bucket(bucket, buf)]
+        write_adapter(path, plan.adapter, tensors, base=self.vllm_config.model_config.model)
+        state.phases["store_s"] = time.perf_counter() - t0
 
     def _rlnode_tied(self) -> bool:
         text_config = self.vllm_config.model_config.hf_config.get_text_config()
