@@ -7,6 +7,11 @@ checkpoint never runs code from it), finding and loading the
 latest one for ``--resume``, pruning old ones, the final Hugging Face policy
 directory, and the append-only ``metrics.jsonl``.
 
+With trainer.lora a checkpoint holds the adapter in ``adapter/`` (peft's
+``adapter_config.json`` + ``adapter_model.safetensors``) instead of the
+full weights in ``policy/``, and ``final/`` is that adapter directory: the
+base stays where model.path names it.
+
 Atomicity: a checkpoint is written into ``checkpoints/.tmp-step-N-T``, every
 file fsynced, then renamed to ``checkpoints/step-N-T`` (rename is atomic on one
 filesystem), then the ``latest`` pointer file is replaced atomically. A crash
@@ -31,7 +36,11 @@ import torch
 from rlnode.log import get_logger
 from rlnode.trainer.metrics import strict_record
 from rlnode.trainer.state_io import load_state, save_state
+from rlnode.weights import lora
+from rlnode.weights.plan import AdapterSpec
 
+POLICY_DIR = "policy"  # full weights: a Hugging Face model directory
+ADAPTER_DIR = "adapter"  # trainer.lora: the adapter in peft's format, instead of policy/
 TRAINER_STATE = "trainer_state"  # optimizer, lr scheduler, RNG: safetensors + JSON (state_io.py)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja", "generation_config.json")
@@ -60,8 +69,27 @@ def _atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def is_adapter(model) -> bool:
+    """``model`` is peft's wrap of a frozen base (trainer.lora): what it
+    trains, saves and loads is its adapter."""
+    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
+
+
+def model_adapter_spec(model) -> AdapterSpec:
+    """The AdapterSpec of a peft-wrapped ``model`` (its active adapter)."""
+    c = model.peft_config[model.active_adapter]
+    return AdapterSpec(int(c.r), float(c.lora_alpha), tuple(sorted(c.target_modules)))
+
+
 def save_hf_policy(model, model_src: str, out: Path) -> None:
-    """A directory transformers and vLLM load: weights + config + tokenizer."""
+    """A directory transformers and vLLM load: weights + config + tokenizer.
+    With trainer.lora, the adapter in peft's format instead (its two files,
+    replaced whole: ``PeftModel.from_pretrained(base, out)``, vLLM's
+    ``LoRARequest`` / ``vllm serve --lora-modules``); the base stays at
+    ``model_src``, named in its adapter_config.json."""
+    if is_adapter(model):
+        lora.write_adapter(str(out), model_adapter_spec(model), lora.adapter_tensors(model), base=str(model_src))
+        return
     model.save_pretrained(out, safe_serialization=True)
     for name in TOKENIZER_FILES:
         src = Path(model_src) / name
@@ -96,7 +124,7 @@ class CheckpointManager:
         final = self.dir / name
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-        save_hf_policy(model, model_src, tmp / "policy")
+        save_hf_policy(model, model_src, tmp / (ADAPTER_DIR if is_adapter(model) else POLICY_DIR))
         # No pickle: tensors in safetensors, the rest JSON (state_io.py).
         (tmp / TRAINER_STATE).mkdir()
         save_state(tmp / TRAINER_STATE, {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
@@ -127,17 +155,12 @@ class CheckpointManager:
         return path if (path / "state.json").exists() else None
 
     def load(self, path: Path, model, optimizer, scheduler) -> dict[str, Any]:
-        """Load weights and trainer state in place; returns state.json."""
-        from safetensors.torch import load_file
-
-        weights = {}
-        for f in sorted((path / "policy").glob("*.safetensors")):
-            weights.update(load_file(f))
-        missing, unexpected = model.load_state_dict(weights, strict=False)
-        # Tied lm_head is not stored separately; anything else missing is an error.
-        missing = [m for m in missing if not (m == "lm_head.weight" and model.config.tie_word_embeddings)]
-        if missing or unexpected:
-            raise RuntimeError(f"checkpoint {path} does not fit the model: missing={missing} unexpected={unexpected}")
+        """Load weights (or the adapter, trainer.lora) and trainer state in
+        place; returns state.json."""
+        if is_adapter(model):
+            load_adapter(path, model)
+        else:
+            load_weights(path, model)
         if not (path / TRAINER_STATE).is_dir() and (path / "trainer_state.pt").exists():
             # Written by rlnode before 0.x: a pickle, which can run code on load.
             raise RuntimeError(
@@ -155,6 +178,49 @@ class CheckpointManager:
 
         f = path / "buffer.msgpack"
         return msgspec.msgpack.decode(f.read_bytes(), type=list[GroupDelivery]) if f.exists() else []
+
+
+def load_weights(path: Path, model) -> None:
+    """The full weights of checkpoint ``path`` into ``model``, in place."""
+    from safetensors.torch import load_file
+
+    if not (path / POLICY_DIR).is_dir() and (path / ADAPTER_DIR).is_dir():
+        raise RuntimeError(f"checkpoint {path} holds a LoRA adapter ({ADAPTER_DIR}/), not full weights: "
+                           "resume it with its trainer.lora settings")
+    weights = {}
+    for f in sorted((path / POLICY_DIR).glob("*.safetensors")):
+        weights.update(load_file(f))
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    # Tied lm_head is not stored separately; anything else missing is an error.
+    missing = [m for m in missing if not (m == "lm_head.weight" and model.config.tie_word_embeddings)]
+    if missing or unexpected:
+        raise RuntimeError(f"checkpoint {path} does not fit the model: missing={missing} unexpected={unexpected}")
+
+
+def load_adapter(path: Path, model) -> None:
+    """The adapter of checkpoint ``path`` into the peft-wrapped ``model``,
+    in place (the optimizer keeps its parameters): refused unless it has
+    the model's adapter tensors, shapes and alpha."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    d = path / ADAPTER_DIR
+    if not (d / lora.ADAPTER_WEIGHTS).is_file():
+        why = "full weights (policy/)" if (path / POLICY_DIR).is_dir() else "no adapter"
+        raise RuntimeError(f"checkpoint {path} holds {why}, not a LoRA adapter ({ADAPTER_DIR}/"
+                           f"{lora.ADAPTER_WEIGHTS}): trainer.lora.rank must match the run it was saved by")
+    saved = load_file(str(d / lora.ADAPTER_WEIGHTS))
+    want = {n: tuple(t.shape) for n, t in lora.adapter_tensors(model)}
+    got = {n: tuple(t.shape) for n, t in saved.items()}
+    alpha = json.loads((d / lora.ADAPTER_CONFIG).read_text()).get("lora_alpha")
+    spec = model_adapter_spec(model)
+    if got != want or alpha != spec.alpha:
+        missing, unexpected = sorted(set(want) - set(got))[:4], sorted(set(got) - set(want))[:4]
+        shapes = sorted(n for n in set(want) & set(got) if want[n] != got[n])[:4]
+        raise RuntimeError(f"checkpoint {path}: its adapter does not fit trainer.lora (rank {spec.rank}, "
+                           f"alpha {spec.alpha}, target_modules {list(spec.target_modules)}): missing={missing} "
+                           f"unexpected={unexpected} other shapes={shapes} alpha={alpha}")
+    set_peft_model_state_dict(model, saved)
 
 
 class MetricsWriter:

@@ -1,7 +1,10 @@
 """Learner: the trainer's model, optimizer and one optimizer step.
 
-Owns: the policy (transformers, loaded from a local path), an optional frozen
-reference copy (KL), AdamW with warm-up and decay, gradient clipping, and
+Owns: the policy (transformers, loaded from a local path; with trainer.lora
+peft's wrap of it, the base frozen, and ``model`` is then the peft model),
+an optional frozen reference copy (KL; with LoRA the base itself, the
+adapter switched off), AdamW over the trainable parameters only (the
+adapter's with LoRA) with warm-up and decay, gradient clipping, and
 turning a ``Batch`` into micro-batches whose token log-probabilities are
 scored at each sample's sampling temperature (``log_softmax(logits / T)``:
 the distribution the engine sampled from). Blocking: call ``train_step``
@@ -40,6 +43,7 @@ from rlnode.trainer.memory_plan import check_learner_memory, resolve_adamw_impl
 from rlnode.trainer.metrics import combine
 from rlnode.trainer.scoring import (MicroBatch, PackedRow, bucket_micro_batches, budget_micro_batches,
                                     chunked_logprobs, packed_inputs, padded_inputs)
+from rlnode.weights import lora
 
 
 @dataclass
@@ -82,6 +86,13 @@ def lr_factor(step: int, warmup: int, total: int, schedule: str, min_ratio: floa
     if schedule == "linear":
         return 1.0 - (1.0 - min_ratio) * progress
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def causal_lm(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model under ``model``: peft's wrap (trainer.lora)
+    holds it with the adapter layers in place, so scoring through it
+    computes the adapted policy (or the base, under ``disable_adapter``)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 class Scored(NamedTuple):
@@ -196,8 +207,15 @@ class Learner:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if shard is not None:
             shard(self.model)
+        # trainer.lora: the model is peft's wrap of the frozen base (a
+        # ConfigError naming trainer.lora.target_modules when a target is no
+        # linear layer); scoring goes through the adapter, the KL reference
+        # is the base with the adapter switched off (no second copy).
+        self.adapter = lora.adapter_spec(t.lora) if t.lora.rank > 0 else None
+        if self.adapter is not None:
+            self.model = lora.wrap(self.model, t.lora)
         self.ref_model = None
-        if t.loss.kl_coef > 0:
+        if t.loss.kl_coef > 0 and self.adapter is None:
             # No gradient, no optimizer state: bf16 suffices unless the run is fp32.
             ref_dtype = torch.float32 if t.precision == "fp32" else torch.bfloat16
             self.ref_model = AutoModelForCausalLM.from_pretrained(
@@ -208,13 +226,19 @@ class Learner:
         # the per-tensor loop (cpu's default) passes neither flag.
         impl = resolve_adamw_impl(o.adamw_impl, self.device.type)
         kernel = {"fused": dict(fused=True), "foreach": dict(foreach=True)}.get(impl, {})
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=tuple(o.betas),
+        # Only what trains: every parameter, or the adapter's with LoRA.
+        self.optimizer = torch.optim.AdamW(self.trainable_parameters(), lr=o.lr, betas=tuple(o.betas),
                                            weight_decay=o.weight_decay, **kernel)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
             lambda step: lr_factor(step, o.warmup_steps, t.max_steps, o.schedule, o.min_lr_ratio),
         )
         self.skipped_steps = 0  # train_step calls that took no step (non-finite loss or gradient)
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        """What the optimizer steps and clipping measures: every parameter,
+        or with trainer.lora only the adapter's (the base is frozen)."""
+        return [p for p in self.model.parameters() if p.requires_grad]
 
     @property
     def vocab_size(self) -> int:
@@ -278,6 +302,7 @@ class Learner:
                 t_idx += range(n)
                 temps += [samples[k].temperature] * n
         f_i = torch.tensor(f_idx, dtype=torch.long, device=self.device)
+        model = causal_lm(model)
         with self._autocast():
             hidden = model.base_model(**inp.kwargs).last_hidden_state  # [R, L, H] or [1, S, H]
             # The lm_head only where a completion token is predicted, and
@@ -328,10 +353,7 @@ class Learner:
                 mu[j, : len(lp)] = lp.to(self.device)
                 lag[j, : len(lp)] = torch.from_numpy(batch.token_lags[i]) if batch.token_lags else batch.lags[i]
             lag = lag.to(self.device)
-            ref = None
-            if self.ref_model is not None:
-                with torch.no_grad():
-                    ref = self.token_logprobs(self.ref_model, part, rows=mb.rows).logprobs
+            ref = self.reference_logprobs(part, mb.rows) if loss_cfg.kl_coef > 0 else None
             adv = torch.tensor([batch.advantages[i] for i in mb.samples], dtype=torch.float32, device=self.device)
             # Divided by the whole step's normalizer: the micro-batch losses
             # (and their gradients) sum to the loss of the step as one batch.
@@ -375,6 +397,15 @@ class Learner:
             step_s=time.perf_counter() - t0, skipped=not stepped, mismatch=mismatch, token_lag_hist=lag_hist,
         )
 
+    @torch.no_grad()
+    def reference_logprobs(self, samples, rows: list[PackedRow] | None = None) -> torch.Tensor:
+        """log pi_ref of the completion tokens (the KL term): the frozen
+        initial policy, or with trainer.lora the base with the adapter off."""
+        if self.adapter is not None:
+            with self.model.disable_adapter():
+                return self.token_logprobs(self.model, samples, rows=rows).logprobs
+        return self.token_logprobs(self.ref_model, samples, rows=rows).logprobs
+
     def _layout_figures(self, mbs) -> dict[str, float]:
         """Tokens through the decoder (padding included) and passes: what
         the micro-batch layout cost this step."""
@@ -390,7 +421,7 @@ class Learner:
         moments into every later update. The gradients are dropped, and the
         lr schedule does not advance (no step happened)."""
         max_norm = self.cfg.trainer.optim.max_grad_norm
-        params = [p for p in self.model.parameters() if p.grad is not None]
+        params = [p for p in self.trainable_parameters() if p.grad is not None]
         if not params:
             if not loss_finite:
                 return self._skip(0.0)
