@@ -152,6 +152,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--backend", choices=("gloo", "nccl", "cuda_ipc"),
                        help="weights: the transport to measure (default trainer.weights.backend, whose \"auto\" "
                        "is decided as the trainer decides it); one this host cannot run is refused at once")
+    bench.add_argument("--lora", action="store_true",
+                       help="weights: also update a LoRA adapter of the same model (served as a new vLLM adapter "
+                       "per version, no pause) and compare it with the full-weight update; learn: each seed also "
+                       "runs sync with trainer.lora on, beside full fine-tuning")
+    bench.add_argument("--lora-rank", type=int, default=0, metavar="R",
+                       help="weights/learn --lora: the adapter's rank (default trainer.lora.rank, else 16)")
     bench.add_argument("--actors", default="1,16,128,512", metavar="N,N,...",
                        help="link: simulated actor counts, one run each (default 1,16,128,512)")
     bench.add_argument("--seconds", type=float, default=5.0, help="link: timed window per actor count (default 5)")

@@ -70,6 +70,8 @@ def _weights(cfg: Config, args, log) -> int:
         paths = [args.model or cfg.model.path]
     else:
         paths = [build_bench_model(size, f"{models}/{size}") for size in ("tiny", "100m")]
+    if args.lora:
+        return _weights_lora(cfg, args, paths, log)
     results = {}
     for path in paths:
         log(f"weights: {path}")
@@ -79,6 +81,28 @@ def _weights(cfg: Config, args, log) -> int:
     else:
         for res in results.values():
             print_table(res)
+    return 0
+
+
+def _weights_lora(cfg: Config, args, paths: list[str], log) -> int:
+    """``bench weights --lora``: per model, a LoRA adapter's updates beside
+    full-weight updates of the same model, in the same run."""
+    from rlnode.bench.weights import bench_weights
+    from rlnode.bench.weights_lora import compare, print_comparison
+
+    rank = args.lora_rank or cfg.trainer.lora.rank or 16
+    results = {}
+    for path in paths:
+        log(f"weights: {path}, full weights")
+        full = asyncio.run(bench_weights(cfg, path, rounds=args.rounds, log=log))
+        log(f"weights: {path}, LoRA rank {rank}")
+        lora = asyncio.run(bench_weights(cfg, path, rounds=args.rounds, log=log, lora_rank=rank))
+        results[path] = compare(full, lora)
+    if args.json:
+        print(msgspec.json.encode(results if len(results) > 1 else next(iter(results.values()))).decode())
+    else:
+        for res in results.values():
+            print_comparison(res)
     return 0
 
 
@@ -175,8 +199,9 @@ def _learn(cfg: Config, args, log) -> int:
         print(f"rlnode bench learn: model.path {cfg.model.path!r} is not a directory (the demo's: "
               f"rlnode tiny-model {cfg.model.path})", file=sys.stderr)
         return 2
+    lora_rank = (args.lora_rank or cfg.trainer.lora.rank or 16) if args.lora else 0
     res = bench_learn(config, cfg.run.run_dir, seeds, args.with_async, max_lag, args.target,
-                      [f"model.path={cfg.model.path}", *args.overrides], log=log)
+                      [f"model.path={cfg.model.path}", *args.overrides], log=log, lora_rank=lora_rank)
     if args.json:
         print(msgspec.json.encode(res).decode())
     else:

@@ -36,7 +36,7 @@ from rlnode.bench.asyncrl import _free_port, _json_lines, _ts
 
 
 class LearnRun(msgspec.Struct):
-    mode: str  # "sync" | "async"
+    mode: str  # "sync" | "async" | "lora" (sync, trainer.lora on)
     seed: int
     max_lag: int
     steps: int
@@ -72,6 +72,10 @@ class LearnBenchResult(msgspec.Struct):
     # async / sync medians (final success; versions to the target), --async only
     async_vs_sync_final: float | None = None
     async_vs_sync_versions_to_target: float | None = None
+    # --lora: the adapter's rank, and per seed the LoRA run's final success
+    # minus the full fine-tuning run's (sync both, equal steps and samples).
+    lora_rank: int = 0
+    lora_minus_full_final: list[float] = []
 
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -107,7 +111,7 @@ def run_child(args: list[str], stderr, timeout: float, env: dict[str, str]) -> s
 
 
 def run_recipe(config: str, overrides: list[str], seed: int, sync: bool, max_lag: int, run_dir: Path,
-               target: float, log) -> LearnRun:
+               target: float, log, lora_rank: int = 0) -> LearnRun:
     shutil.rmtree(run_dir, ignore_errors=True)  # metrics.jsonl appends: start clean
     run_dir.mkdir(parents=True)
     args = [sys.executable, "-m", "rlnode", "--role", "all", "--config", config, "--log-json"]
@@ -119,7 +123,9 @@ def run_recipe(config: str, overrides: list[str], seed: int, sync: bool, max_lag
             "--set", f"trainer.weights.base_port={_free_port()}"]
     if not sync:
         args += ["--set", f"actor.scheduler.max_lag={max_lag}"]
-    mode = "sync" if sync else "async"
+    if lora_rank:
+        args += ["--set", f"trainer.lora.rank={lora_rank}"]
+    mode = "lora" if lora_rank else "sync" if sync else "async"
     log(f"  {mode} seed {seed}: running (log: {run_dir}/daemon.log) ...")
     with open(run_dir / "daemon.log", "w") as err:
         proc = run_child(args, err, timeout=7200, env={**os.environ, "VLLM_CONFIGURE_LOGGING": "0"})
@@ -154,19 +160,28 @@ def spread(mode: str, runs: list[LearnRun], target: float) -> Spread:
 
 
 def bench_learn(config: str, run_dir: str, seeds: list[int], with_async: bool, max_lag: int, target: float,
-                overrides: list[str] = (), log=print) -> LearnBenchResult:
+                overrides: list[str] = (), log=print, lora_rank: int = 0) -> LearnBenchResult:
+    """``lora_rank``: each seed also runs sync with ``trainer.lora.rank``
+    set (and ``trainer.lora.*`` / everything else from the config and
+    ``overrides``), beside full fine-tuning."""
     base = Path(run_dir) / "bench-learn"
     runs: list[LearnRun] = []
-    for seed in seeds:  # per seed, sync then async: a drift of the machine hits both
-        runs.append(run_recipe(config, list(overrides), seed, True, 0, base / f"sync-seed{seed}", target, log))
+    full = [*overrides, "trainer.lora.rank=0"] if lora_rank else list(overrides)  # the baseline: full weights
+    for seed in seeds:  # per seed, sync then the others: a drift of the machine hits all
+        runs.append(run_recipe(config, full, seed, True, 0, base / f"sync-seed{seed}", target, log))
         if with_async:
-            runs.append(run_recipe(config, list(overrides), seed, False, max_lag, base / f"async-seed{seed}",
-                                   target, log))
-    modes = ["sync", "async"] if with_async else ["sync"]
+            runs.append(run_recipe(config, full, seed, False, max_lag, base / f"async-seed{seed}", target, log))
+        if lora_rank:
+            runs.append(run_recipe(config, list(overrides), seed, True, 0, base / f"lora-seed{seed}", target, log,
+                                   lora_rank=lora_rank))
+    modes = ["sync", *(["async"] if with_async else []), *(["lora"] if lora_rank else [])]
     sp = [spread(m, [r for r in runs if r.mode == m], target) for m in modes]
-    res = LearnBenchResult(config, target, runs, sp)
+    res = LearnBenchResult(config, target, runs, sp, lora_rank=lora_rank)
+    if lora_rank:
+        full = {r.seed: r.final_success for r in runs if r.mode == "sync"}
+        res.lora_minus_full_final = [r.final_success - full[r.seed] for r in runs if r.mode == "lora"]
     if with_async:
-        s, a = sp
+        s, a = sp[0], sp[1]
         res.async_vs_sync_final = a.final_median / s.final_median if s.final_median else None
         if s.first_at_target_median and a.first_at_target_median:
             res.async_vs_sync_versions_to_target = a.first_at_target_median / s.first_at_target_median
@@ -196,6 +211,10 @@ def print_table(r: LearnBenchResult) -> None:
         print(f"{s.mode:<6} final {s.final_min:.2f} / {s.final_median:.2f} / {s.final_max:.2f}   "
               f"held {s.held}/{s.seeds}   versions to {r.target} (median) {_f(s.first_at_target_median, '.0f')}   "
               f"wall (median) {s.wall_s_median / 60:.1f} min")
+    if r.lora_rank:
+        diffs = ", ".join(f"{d:+.2f}" for d in r.lora_minus_full_final)
+        print(f"LoRA (rank {r.lora_rank}) - full fine-tuning, final success per seed: {diffs} "
+              f"(equal steps and samples, both sync)")
     if r.async_vs_sync_final is not None:
         print(f"async / sync: final success {r.async_vs_sync_final:.2f}x, versions to {r.target} "
               f"{_f(r.async_vs_sync_versions_to_target)}x (equal steps and samples)")

@@ -36,6 +36,7 @@ import statistics
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
@@ -43,15 +44,17 @@ import msgspec
 from rlnode.actor.engine import Engine, SamplingSettings, engine_gpu_assignment, resolve_device
 from rlnode.actor.weight_receiver import (
     EXTENSION,
+    UpdateTimings,
     apply_weight_update,
     engine_num_ranks,
     join_group,
 )
-from rlnode.config import Config, EngineConfig, load_config
+from rlnode.config import VLLM_LORA_RANKS, Config, EngineConfig, LoraConfig, load_config
 from rlnode.weights.rendezvous import new_secret
-from rlnode.weights.broadcast import WeightBroadcaster, update_tensors
+from rlnode.weights.broadcast import BroadcastStats, WeightBroadcaster, update_tensors
 from rlnode.weights.ipc import host_identity
-from rlnode.weights.plan import GroupMember, GroupSpec, WeightUpdatePlan
+from rlnode.weights.lora import adapter_spec, adapter_tensors, wrap
+from rlnode.weights.plan import AdapterSpec, GroupMember, GroupSpec, WeightUpdatePlan
 from rlnode.weights.comm import WeightComm, keep_stdout
 
 # (layers, hidden) of the models the benchmark can build for itself.
@@ -77,7 +80,7 @@ class WeightsBenchResult(msgspec.Struct):
     load_s: float  # engine side: layerwise reload while paused
     generation_stall_s: float  # pause requested -> resume returned
     max_token_gap_s: float  # largest gap between streamed tokens during an update
-    usual_token_gap_s: float  # median gap between streamed tokens
+    usual_token_gap_s: float  # median gap between streamed tokens, away from the updates
     max_abs_logprob_diff_after_update: float
     rounds_update_s: list[float]
     backend: str = ""  # the transport the updates took
@@ -100,6 +103,7 @@ class WeightsBenchResult(msgspec.Struct):
     receive_transfer_s: float = 0.0
     receive_poll_s: float = 0.0
     receive_first_bucket_s: float = 0.0  # of the broadcasts: until the first bucket was in
+    receive_store_s: float = 0.0  # LoRA: the adapter's files written by the worker
     # "generating" or "paused": whether the engine took the bytes in while
     # decoding (actor.engine.weight_receive).
     receive_mode: str = ""
@@ -111,6 +115,26 @@ class WeightsBenchResult(msgspec.Struct):
     trainer_rss_mib_last: float = 0.0
     engine_rss_mib_first: float = 0.0
     engine_rss_mib_last: float = 0.0
+    # The trainer starts the update -> a request submitted once the engine
+    # took it in has its first token, on the new version: what a client
+    # waits before the new policy answers.
+    update_to_first_token_s: float = 0.0
+    # 99th percentile of the gaps between streamed tokens away from the
+    # updates (and their probes): the engine's own jitter, which an
+    # update's largest gap is compared with.
+    token_gap_p99_s: float = 0.0
+    # The largest gap in a window as long as the update just before it (the
+    # engine without an update), median over the rounds: what
+    # max_token_gap_s is compared with.
+    control_token_gap_s: float = 0.0
+    # > 0: a LoRA run of that rank (trainer.lora): the pushes carry the
+    # adapter (params, nbytes: the adapter's) and the engine serves each as
+    # a new vLLM adapter, without pausing.
+    lora_rank: int = 0
+    # Largest adapters loaded at once on the engine (current + ones still
+    # running requests), and how many old ones were removed.
+    adapters_loaded_max: int = 0
+    adapters_removed: int = 0
 
 
 def bench_config(overrides: list[str]) -> Config:
@@ -225,41 +249,82 @@ async def _stream(engine: Engine, prompt: list[int], seed: int, stamps: list[flo
 
 
 def _gaps(stamps: list[float], lo: float, hi: float) -> tuple[list[float], list[float]]:
-    """Gaps between consecutive distinct arrivals: (touching [lo, hi], all)."""
+    """Gaps between consecutive distinct arrivals: (touching [lo, hi], the
+    others: the engine's usual rhythm)."""
     times = sorted(set(stamps))
     pairs = list(zip(times, times[1:]))
-    return [b - a for a, b in pairs if b >= lo and a <= hi], [b - a for a, b in pairs]
+    return [b - a for a, b in pairs if b >= lo and a <= hi], [b - a for a, b in pairs if b < lo or a > hi]
 
 
-async def _one_update(engine, bc, hf, version, prompts, warm_s: float):
-    """Perturb the trainer's weights, start streaming requests, update while
-    they decode. Returns (wall s, UpdateTimings, plan, max gap during the
-    update s, all gaps s, BroadcastStats)."""
+@dataclass
+class _Round:
+    """One timed update (_one_update)."""
+
+    wall_s: float  # the trainer starts -> the engine took the update in
+    timings: UpdateTimings
+    plan: WeightUpdatePlan
+    stats: BroadcastStats
+    max_gap_s: float  # the largest gap between a stream's tokens during the update
+    # The same for a window as long just before the update: what the engine
+    # does without one (on 2 shared cores its steps vary by themselves).
+    control_gap_s: float
+    usual_gaps: list[float]  # every gap away from the update and its probe
+    first_token_s: float  # the trainer starts -> first token of a new request, on the new version
+
+
+async def _one_update(engine, bc, hf, version, prompts, warm_s: float, adapter: AdapterSpec | None = None) -> _Round:
+    """Perturb the trainer's weights (a LoRA ``adapter``'s only), start
+    streaming requests, update while they decode, then time a new request's
+    first token."""
     import torch
 
+    # Small steps, as a trainer's are: large ones turn the model
+    # deterministic within a few rounds (every sampled logprob 0.0, which
+    # makes the parity figure say nothing). An adapter starts at B = 0.
     with torch.no_grad():
-        for p in hf.parameters():
-            p.add_(torch.randn_like(p) * 0.02)
+        for name, p in hf.named_parameters():
+            if adapter is None:
+                p.add_(torch.randn_like(p) * 0.05 * p.std().nan_to_num(0.02))
+            elif "lora_" in name:
+                p.add_(torch.randn_like(p) * 0.005)
     stamps: list[list[float]] = [[] for _ in prompts]
     streams = [asyncio.create_task(_stream(engine, p, i, s)) for i, (p, s) in enumerate(zip(prompts, stamps))]
     try:
         await asyncio.sleep(warm_s)
-        tensors = update_tensors(hf)
-        plan = bc.plan(tensors, version)
+        tensors = adapter_tensors(hf) if adapter is not None else update_tensors(hf)
+        plan = bc.plan(tensors, version, adapter=adapter)
         t0 = time.perf_counter()
         stats, timings = await asyncio.gather(bc.broadcast_async(plan, tensors), apply_weight_update(engine, plan))
         t1 = time.perf_counter()
+        first = await engine.generate(prompts[0][:8], SamplingSettings(max_tokens=1, seed=version))
+        t2 = time.perf_counter()
+        if [v for v, _, _ in first.weight_versions] != [str(version)]:
+            raise RuntimeError(f"a request after update {version} ran on {first.weight_versions}")
         await asyncio.sleep(warm_s)
     finally:
         for s in streams:
             s.cancel()
         await asyncio.gather(*streams, return_exceptions=True)
-    during, every = [], []
+    during, control, every = [], [], []
     for s in stamps:
-        d, e = _gaps(s, t0, t1)
-        during += d
-        every += e
-    return t1 - t0, timings, plan, max(during, default=0.0), every, stats
+        during += _gaps(s, t0, t1)[0]
+        control += _gaps(s, 2 * t0 - t1 - 0.05, t0 - 0.05)[0]
+        every += _gaps(s, t0, t2)[1]  # the usual rhythm: away from the update and its probe
+    return _Round(t1 - t0, timings, plan, stats, max(during, default=0.0), max(control, default=0.0), every, t2 - t0)
+
+
+async def _warm_up(engine: Engine, prompts: list[list[int]]) -> None:
+    """The first batch of each size builds kernels and compiles vLLM's
+    sampler for it (torch.compile of gather_logprobs: seconds of FX graph
+    hashing on 2 cores, seen inside timed updates): every batch size the
+    updates see (the streams, with the probe, alone) once before."""
+    for batch in (prompts, [*prompts, prompts[0]], prompts[:1]):
+        await asyncio.gather(*(engine.generate(p, SamplingSettings(max_tokens=64, seed=i, ignore_eos=True))
+                               for i, p in enumerate(batch)))
+
+
+def _p99(values: list[float]) -> float:
+    return sorted(values)[int(0.99 * (len(values) - 1))] if values else 0.0
 
 
 async def _logprob_diff(engine: Engine, hf, prompts: list[list[int]]) -> float:
@@ -295,24 +360,37 @@ def rss_mib(engine: Engine | None = None) -> float:
     return total / 2**20
 
 
-async def bench_weights(cfg: Config, model_path: str, *, rounds: int = 5, in_flight: int = 8,
-                        warm_s: float = 0.5, log=print) -> WeightsBenchResult:
-    """Run ``rounds`` in-flight updates of ``model_path`` on one fresh
-    engine, set up as ``cfg`` sets up a job (module docstring)."""
-    import torch
+def _trainer_model(cfg: Config, model_path: str, lora_rank: int):
+    """(the trainer's model, its AdapterSpec or None, the parameters a push
+    moves). Loaded on the CPU, moved once the engine runs: its processes
+    start before this one initialises CUDA (docs/design/gpu-h100.md)."""
     from transformers import AutoModelForCausalLM
 
-    from rlnode.trainer.learner import PARAM_DTYPE, resolve_trainer_device
+    from rlnode.trainer.learner import PARAM_DTYPE
+
+    hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=PARAM_DTYPE[cfg.trainer.precision]).eval()
+    adapter = None
+    if lora_rank:
+        lora = LoraConfig(rank=lora_rank, alpha=2.0 * lora_rank, target_modules=cfg.trainer.lora.target_modules)
+        hf, adapter = wrap(hf, lora).eval(), adapter_spec(lora)
+    return hf, adapter, sum(p.numel() for _, p in (adapter_tensors(hf) if adapter else update_tensors(hf)))
+
+
+async def bench_weights(cfg: Config, model_path: str, *, rounds: int = 5, in_flight: int = 8,
+                        warm_s: float = 0.5, log=print, lora_rank: int = 0) -> WeightsBenchResult:
+    """Run ``rounds`` in-flight updates of ``model_path`` on one fresh
+    engine, set up as ``cfg`` sets up a job (module docstring); with
+    ``lora_rank``, of a LoRA adapter of that rank on it (the engine serves
+    each as a new adapter)."""
+    from rlnode.trainer.learner import resolve_trainer_device
 
     t = cfg.trainer
     model_cfg = msgspec.structs.replace(cfg.model, path=model_path)
     device = resolve_trainer_device(t.device)
-    # Loaded on the CPU, moved once the engine runs: its processes start
-    # before this one initialises CUDA (docs/design/gpu-h100.md).
-    hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=PARAM_DTYPE[t.precision]).eval()
-    params = sum(p.numel() for _, p in update_tensors(hf))
-    log(f"model {model_path}: {params / 1e6:.1f}M parameters; starting the engine")
-    engine = Engine(0, model_cfg, cfg.actor.engine, worker_extension_cls=EXTENSION)
+    hf, adapter, params = _trainer_model(cfg, model_path, lora_rank)
+    log(f"model {model_path}: {params / 1e6:.2f}M parameters{' (adapter)' if adapter else ''}; starting the engine")
+    engine = Engine(0, model_cfg, cfg.actor.engine, worker_extension_cls=EXTENSION,
+                    lora_rank=next((r for r in VLLM_LORA_RANKS if r >= lora_rank), lora_rank) if lora_rank else 0)
     await engine.start()
     bc = None
     try:
@@ -324,46 +402,52 @@ async def bench_weights(cfg: Config, model_path: str, *, rounds: int = 5, in_fli
         await asyncio.gather(bc.open_group_async(spec), join_group(engine, spec, first_rank=1))
         rng = random.Random(0)
         prompts = [[rng.randrange(40, 200) for _ in range(32)] for _ in range(in_flight)]
-        # Warm-up: first batches of a new size build kernels (seconds),
-        # which would otherwise land inside the first timed update.
-        await asyncio.gather(*(engine.generate(p, SamplingSettings(max_tokens=64, seed=i, ignore_eos=True))
-                               for i, p in enumerate(prompts)))
+        await _warm_up(engine, prompts)
         before = await _logprob_diff(engine, hf, prompts[:4])
+        # Update 1 warms up too (the engine's first add_lora took 0.9 s): untimed.
+        await _one_update(engine, bc, hf, 1, prompts, warm_s, adapter)
         runs, memory = [], []
-        for version in range(1, rounds + 1):
-            runs.append(await _one_update(engine, bc, hf, version, prompts, warm_s))
+        for version in range(2, rounds + 2):
+            runs.append(await _one_update(engine, bc, hf, version, prompts, warm_s, adapter))
             memory.append((rss_mib(), await asyncio.to_thread(rss_mib, engine)))
-            log(f"update {version}: {runs[-1][0]:.3f} s (stall {runs[-1][1].stalled_s:.3f} s), "
+            log(f"update {version}: {runs[-1].wall_s:.3f} s (stall {runs[-1].timings.stalled_s:.3f} s), "
                 f"rss trainer {memory[-1][0]:.0f} MiB, engine {memory[-1][1]:.0f} MiB")
         diff = await _logprob_diff(engine, hf, prompts[:4])
+        slots = engine.adapters
+        if slots is not None:
+            await slots.drain()
     finally:
         if bc is not None:
             bc.close_group()
         await engine.shutdown()
-    plan = runs[-1][2]
+    plan = runs[-1].plan
     raw = raw_broadcast_s(plan)
-    update_s = statistics.median(r[0] for r in runs)
+    update_s = statistics.median(r.wall_s for r in runs)
 
     def med(field: str) -> float:
-        return statistics.median(getattr(r[1], field) for r in runs)
+        return statistics.median(getattr(r.timings, field) for r in runs)
 
     return WeightsBenchResult(
         model=model_path, params=params, nbytes=plan.nbytes, buckets=len(plan.buckets), rounds=rounds,
         update_s=update_s, raw_broadcast_s=raw, overhead_ratio=update_s / raw,
         receive_s=med("receive_s"), load_s=med("load_s"),
         **{f"receive_{k}": med(f"receive_{k}") for k in ("rpc_s", "vote_s", "alloc_s", "transfer_s", "first_bucket_s",
-                                                          "poll_s")},
+                                                          "poll_s", "store_s")},
         generation_stall_s=med("stalled_s"),
-        receive_mode="paused" if runs[-1][1].receive_paused else "generating",
-        trainer_pack_s=statistics.median(r[5].pack_s for r in runs),
-        trainer_send_wait_s=statistics.median(r[5].send_wait_s for r in runs),
-        max_token_gap_s=statistics.median(r[3] for r in runs),
-        usual_token_gap_s=statistics.median([g for r in runs for g in r[4]] or [0.0]),
-        max_abs_logprob_diff_after_update=diff, rounds_update_s=[round(r[0], 4) for r in runs],
+        receive_mode="paused" if runs[-1].timings.receive_paused else "generating",
+        trainer_pack_s=statistics.median(r.stats.pack_s for r in runs),
+        trainer_send_wait_s=statistics.median(r.stats.send_wait_s for r in runs),
+        max_token_gap_s=statistics.median(r.max_gap_s for r in runs),
+        control_token_gap_s=statistics.median(r.control_gap_s for r in runs),
+        usual_token_gap_s=statistics.median([g for r in runs for g in r.usual_gaps] or [0.0]),
+        max_abs_logprob_diff_after_update=diff, rounds_update_s=[round(r.wall_s, 4) for r in runs],
         backend=spec.backend, backend_reason=bc.backend_reason, trainer_device=str(device),
         precision=t.precision, engine_device=engine.device, max_abs_logprob_diff_before_update=before,
         trainer_rss_mib_first=round(memory[0][0], 1), trainer_rss_mib_last=round(memory[-1][0], 1),
-        engine_rss_mib_first=round(memory[0][1], 1), engine_rss_mib_last=round(memory[-1][1], 1))
+        engine_rss_mib_first=round(memory[0][1], 1), engine_rss_mib_last=round(memory[-1][1], 1),
+        update_to_first_token_s=statistics.median(r.first_token_s for r in runs), lora_rank=lora_rank,
+        token_gap_p99_s=_p99([g for r in runs for g in r.usual_gaps]),
+        adapters_loaded_max=slots.loaded_max if slots else 0, adapters_removed=slots.removed if slots else 0)
 
 
 def print_table(res: WeightsBenchResult) -> None:

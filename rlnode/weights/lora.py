@@ -92,9 +92,12 @@ def peft_config(spec: AdapterSpec, base: str = "") -> dict:
 
 
 def write_adapter(directory: str, spec: AdapterSpec, tensors: Iterable[tuple[str, torch.Tensor]],
-                  base: str = "") -> None:
+                  base: str = "", durable: bool = True) -> None:
     """peft's two files into ``directory`` (replaced whole, atomically: a
-    reader sees the old adapter or the new one, never a mix)."""
+    reader sees the old adapter or the new one, never a mix). ``durable``:
+    fsync'd before the rename (a checkpoint); an engine's copy, which a
+    crash loses with the engine anyway, skips it (7 ms of a 57 ms update
+    on 2 cores)."""
     from safetensors.torch import save_file
 
     parent = os.path.dirname(os.path.abspath(directory))
@@ -105,7 +108,7 @@ def write_adapter(directory: str, spec: AdapterSpec, tensors: Iterable[tuple[str
                   os.path.join(tmp, ADAPTER_WEIGHTS))
         with open(os.path.join(tmp, ADAPTER_CONFIG), "w") as f:
             json.dump(peft_config(spec, base), f, indent=1)
-        for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG):
+        for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG) if durable else ():
             fd = os.open(os.path.join(tmp, name), os.O_RDONLY)
             try:
                 os.fsync(fd)

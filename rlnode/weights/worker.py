@@ -303,7 +303,7 @@ class WeightReceiverExtension:
             ready.synchronize()
         t0 = time.perf_counter()
         tensors = [t for bucket, buf in zip(plan.buckets, bufs) for t in unpack_bucket(bucket, buf)]
-        write_adapter(path, plan.adapter, tensors, base=self.vllm_config.model_config.model)
+        write_adapter(path, plan.adapter, tensors, base=self.vllm_config.model_config.model, durable=False)
         state.phases["store_s"] = time.perf_counter() - t0
 
     def _rlnode_tied(self) -> bool:
