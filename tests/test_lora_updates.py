@@ -81,6 +81,24 @@ def test_a_target_that_names_no_linear_layer_is_refused_with_its_key(tiny_model_
         wrap(model, LoraConfig(rank=RANK, target_modules=["q_proj", "qkv_proj"]))
 
 
+def test_lora_keys_that_cannot_run_are_refused_at_load_naming_the_key():
+    from rlnode.config import ConfigError, engine_lora_rank, load_config
+
+    assert engine_lora_rank(load_config(None)) == 0  # full weights: the engines start without LoRA
+    assert engine_lora_rank(load_config(None, ["trainer.lora.rank=12"])) == 16  # vLLM's next rank
+    assert engine_lora_rank(load_config(None, ["trainer.lora.rank=12", "actor.engine.max_lora_rank=64"])) == 64
+    for overrides, why in (
+        (["trainer.lora.rank=32", "actor.engine.max_lora_rank=16"], r"trainer\.lora\.rank: 32 is above actor\.engine"),
+        (["actor.engine.max_lora_rank=12"], r"actor\.engine\.max_lora_rank: expected 0 or one of"),
+        (["trainer.lora.rank=8", "trainer.parallel.ranks=2"], r"trainer\.parallel\.ranks: must be 1"),
+        (["trainer.lora.rank=8", "trainer.lora.target_modules=[]"], r"trainer\.lora\.target_modules"),
+        (["trainer.lora.rank=1024"], r"trainer\.lora\.rank: at most 512"),
+        (["actor.engine.max_loras=1"], r"actor\.engine\.max_loras"),
+    ):
+        with pytest.raises(ConfigError, match=why):
+            load_config(None, overrides)
+
+
 # --------------------------------------------------------------------------
 # The engine
 

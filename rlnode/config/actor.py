@@ -62,8 +62,9 @@ class EngineConfig(Section):
     # tensor_parallel_size consecutive entries); empty = 0..N-1. With
     # `--role all` on one GPU, engine and trainer share device 0.
     gpu_ids: list[int] = []
-    # When an engine takes in the bytes of a weight update (the load itself
-    # always runs with generation paused):
+    # When an engine takes in the bytes of a full-weight update (the load
+    # itself always runs with generation paused; a LoRA run's adapter never
+    # pauses: it is served beside the old one, docs/training.md):
     #   "generating": into staging buffers (kept between updates) while it
     #     keeps decoding, then pause for the load only.
     #   "paused": pause first, then receive and load: the transfer counts as
