@@ -212,7 +212,7 @@ async def test_each_version_is_a_new_adapter_and_requests_in_flight_keep_theirs(
 
 
 @pytest.mark.engine
-async def test_an_adapter_that_does_not_fit_is_voted_down_and_the_engine_keeps_its_own(lora_rig):
+async def test_an_adapter_that_does_not_fit_is_voted_down_and_the_engine_keeps_its_own(lora_rig, tiny_model_dir):
     rig = lora_rig
     held = rig.engine.adapters.current
     tensors = adapter_tensors(rig.model)
@@ -227,17 +227,11 @@ async def test_an_adapter_that_does_not_fit_is_voted_down_and_the_engine_keeps_i
     plan = rig.bc.plan(full, rig.version + 1)
     with pytest.raises(PlanMismatch, match="LoRA"):
         await _both(rig.bc.broadcast_async(plan, full), apply_weight_update(rig.engine, plan, timeout_s=60))
+    # A rank above the engine's max_lora_rank (8 here), the key to change named.
+    from transformers import AutoModelForCausalLM
+
+    big = wrap(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32), LoraConfig(rank=16))
+    with pytest.raises(PlanMismatch, match=r"max_lora_rank 8 \(actor\.engine\.max_lora_rank\)"):
+        await _push(rig, rig.version + 1, adapter_tensors(big), adapter_spec(LoraConfig(rank=16)))
     assert rig.engine.adapters.current is held
     assert (await _diffs(rig, rig.model))[0] < 1e-4  # still the last good adapter
-
-
-@pytest.mark.engine
-async def test_an_adapter_above_the_engines_rank_is_refused(tiny_model_dir, engine_config):
-    """The engine serves ranks up to 8; a rank-16 adapter is voted down
-    with the key to change named."""
-    async with _lora_rig(tiny_model_dir, engine_config, lora_rank=8) as rig:
-        from transformers import AutoModelForCausalLM
-
-        big = wrap(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32), LoraConfig(rank=16))
-        with pytest.raises(PlanMismatch, match="max_lora_rank"):
-            await _push(rig, 1, adapter_tensors(big), adapter_spec(LoraConfig(rank=16)))
