@@ -235,3 +235,45 @@ async def test_an_adapter_that_does_not_fit_is_voted_down_and_the_engine_keeps_i
         await _push(rig, rig.version + 1, adapter_tensors(big), adapter_spec(LoraConfig(rank=16)))
     assert rig.engine.adapters.current is held
     assert (await _diffs(rig, rig.model))[0] < 1e-4  # still the last good adapter
+
+
+def test_the_grouped_cpu_lora_ops_compute_what_vllms_reference_ops_do():
+    """cpu_lora_ops replaces vLLM's per-token gather (a copy of the
+    adapter's matrix per token) with one matmul per adapter: the same
+    products, on batches that mix adapters, the no-adapter index -1, one
+    adapter for all, and a single row."""
+    from vllm.lora.ops.torch_ops import lora_ops
+
+    from rlnode.weights import cpu_lora_ops
+
+    from vllm.lora.punica_wrapper import punica_cpu
+
+    assert cpu_lora_ops.install()
+    for name in ("bgmv_shrink", "bgmv_expand", "bgmv_expand_slice"):
+        assert getattr(lora_ops, name) is getattr(punica_cpu, name) is getattr(cpu_lora_ops, name)
+    reference = cpu_lora_ops._ORIGINAL
+    gen = torch.Generator().manual_seed(0)
+    for indices in ([0, 1, 1, -1, 2, 0, 3], [2] * 9, [-1] * 5, [1]):
+        idx = torch.tensor(indices)
+        t, rank, hidden, out = len(indices), 8, 24, 40
+        x = torch.randn(t, hidden, generator=gen)
+        a = torch.randn(4, 1, rank, hidden, generator=gen)  # shrink: adapters x 1 x rank x in
+        b = torch.randn(4, 1, out, rank, generator=gen)  # expand: adapters x 1 x out x rank
+        y_ref, y = torch.zeros(t, rank), torch.zeros(t, rank)
+        reference["bgmv_shrink"](x, a, y_ref, idx, 0.5)
+        lora_ops.bgmv_shrink(x, a, y, idx, 0.5)
+        assert torch.allclose(y, y_ref, atol=1e-5), indices
+        z_ref, z = torch.ones(t, out), torch.ones(t, out)
+        reference["bgmv_expand"](y_ref, b, z_ref, idx, True)
+        lora_ops.bgmv_expand(y_ref, b, z, idx, True)
+        assert torch.allclose(z, z_ref, atol=1e-5), indices
+        s_ref, s = torch.ones(t, out + 16), torch.ones(t, out + 16)
+        reference["bgmv_expand_slice"](y_ref, b, s_ref, idx, 8, out, True)
+        lora_ops.bgmv_expand_slice(y_ref, b, s, idx, 8, out, True)
+        assert torch.allclose(s, s_ref, atol=1e-5), indices
+        # The sgmv_* wrappers (prefill) reach the grouped ops through the module.
+        lens = torch.tensor([t])
+        w_ref, w = torch.zeros(t, rank), torch.zeros(t, rank)
+        reference["bgmv_shrink"](x, a, w_ref, idx[:1].repeat(t), 1.0)
+        lora_ops.sgmv_shrink(x, a, w, None, lens, idx[:1], 1, t, t, 1.0)
+        assert torch.allclose(w, w_ref, atol=1e-5), indices

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from rlnode.log import get_logger
+from rlnode.weights import cpu_lora_ops
 from rlnode.weights.comm import WeightComm, agree_on_plan
 from rlnode.weights.engine_model import refresh_fp32_head, set_fp32_head, weight_digest
 from rlnode.weights.lora import adapter_mismatch, write_adapter
@@ -47,6 +48,11 @@ if TYPE_CHECKING:
 
 EXTENSION = "rlnode.weights.worker.WeightReceiverExtension"
 log = get_logger("rlnode.weights.worker")
+
+# vLLM's CPU LoRA ops copy an adapter's matrix for every token; grouped by
+# adapter instead (cpu_lora_ops.py). The worker imports this module before
+# it runs the model; GPUs' Triton ops are untouched.
+cpu_lora_ops.install()
 
 
 class _RotaryReloadNoise(logging.Filter):
