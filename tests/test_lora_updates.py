@@ -192,6 +192,12 @@ async def test_each_version_is_a_new_adapter_and_requests_in_flight_keep_theirs(
         assert new_diff < 1e-4, f"engine vs the trainer's adapter: {new_diff}"
         assert base_diff > 1e-2, f"new requests still run on the base model ({base_diff})"
 
+        # The same version pushed again (a new epoch brings every member to
+        # the trainer's version): the engine keeps the adapter it has.
+        served = slots.current
+        await _push(rig, 1)
+        assert slots.current is served and not os.path.exists(slots.next_path()[1])
+
         _move_adapter(rig.model, seed=2)  # v2 while the v0 requests still run: three versions at once
         await _push(rig, 2)
         assert (await _diffs(rig, rig.model))[0] < 1e-4
@@ -209,6 +215,45 @@ async def test_each_version_is_a_new_adapter_and_requests_in_flight_keep_theirs(
     assert list(slots.retiring) == [] and slots.current.label == "2" and slots.removed >= 1
     assert set(await rig.engine.llm.list_loras()) == {slots.current.request.lora_int_id}
     assert os.listdir(slots.directory) == [os.path.basename(slots.current.request.lora_path)]
+
+
+@pytest.mark.engine
+async def test_a_checkpoints_adapter_loads_in_the_engine_with_the_trainers_logprobs(lora_rig, tiny_model_dir,
+                                                                                   hf_model, tmp_path):
+    """The adapter a trainer checkpoint holds (adapter/, peft's files, as
+    `vllm serve --lora-modules` takes them) loads in the running vLLM engine
+    as it is, and the engine's sampled logprobs are transformers'
+    PeftModel's on the same files (< 1e-4), not the base's."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    from vllm import SamplingParams
+    from vllm.lora.request import LoRARequest
+
+    from rlnode.trainer.checkpoint import ADAPTER_DIR
+    from test_lora_trainer import _checkpoint
+
+    _learner, path = _checkpoint(tiny_model_dir, hf_model, tmp_path)
+    request = LoRARequest("checkpoint", 10_000, str(path / ADAPTER_DIR))
+    llm = lora_rig.engine.llm
+    assert await llm.add_lora(request)
+    try:
+        outs = []
+        for i, prompt in enumerate(lora_rig.prompts):
+            params = SamplingParams(max_tokens=6, temperature=1.0, seed=i, logprobs=0, ignore_eos=True)
+            async for out in llm.generate({"prompt_token_ids": prompt}, params, f"ckpt-{i}", lora_request=request):
+                final = out.outputs[0]
+            outs.append((list(final.token_ids), [lp[t].logprob for t, lp in zip(final.token_ids, final.logprobs)]))
+    finally:
+        await llm.remove_lora(request.lora_int_id)
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32),
+                                      str(path / ADAPTER_DIR)).eval()
+    worst_base = 0.0
+    for prompt, (tokens, engine_lps) in zip(lora_rig.prompts, outs):
+        want = reference_logprobs(model, prompt, tokens)
+        assert (torch.tensor(engine_lps) - want).abs().max() < 1e-4, (engine_lps, want.tolist())
+        worst_base = max(worst_base, float((torch.tensor(engine_lps) - reference_logprobs(
+            hf_model, prompt, tokens)).abs().max()))
+    assert worst_base > 1e-3  # the engine served the checkpoint's adapter, not the base
 
 
 @pytest.mark.engine

@@ -68,6 +68,11 @@ class AdapterSlots:
         adapter_id, expected = self.next_path()
         if os.path.abspath(path) != os.path.abspath(expected):
             raise ValueError(f"adapter files at {path!r}, expected {expected!r} (next_path)")
+        if self.current is not None and self.current.label == label:
+            # The version it serves, pushed again (the trainer brings every
+            # member of a new epoch to its version): nothing new to serve.
+            await asyncio.to_thread(shutil.rmtree, path, True)
+            return
         self._next_id = next(self._ids)
         request = LoRARequest(label, adapter_id, path)
         await llm.add_lora(request)
