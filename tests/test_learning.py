@@ -28,8 +28,9 @@ def _start(run_dir, model, sync: bool, steps: int, *extra: str) -> subprocess.Po
             env={**os.environ, "VLLM_CONFIGURE_LOGGING": "0"}, start_new_session=True)
 
 
-def _finish(proc: subprocess.Popen, run_dir, steps: int) -> list[dict]:
-    """Wait for a run of ``steps`` steps; its per-step records."""
+def _finish(proc: subprocess.Popen, run_dir, steps: int, final: str = "config.json") -> list[dict]:
+    """Wait for a run of ``steps`` steps; its per-step records. ``final``: a
+    file final/ must hold (a LoRA run's is peft's adapter_config.json)."""
     try:
         proc.wait(timeout=900)
     finally:
@@ -47,7 +48,7 @@ def _finish(proc: subprocess.Popen, run_dir, steps: int) -> list[dict]:
     pushed = [x["weights_pushed"] for x in steps_done]
     first = pushed.index(True) if True in pushed else len(pushed)
     assert first <= 1 and all(pushed[first:]), pushed
-    assert (run_dir / "final" / "config.json").exists()
+    assert (run_dir / "final" / final).exists()
     return steps_done
 
 

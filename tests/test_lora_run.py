@@ -7,9 +7,7 @@ trainer's peft model does), and final/ is the adapter in peft's format."""
 import json
 
 import pytest
-from test_learning import _on_policy, _start
-
-from daemons import ROOT  # noqa: F401 - the same helpers' home
+from test_learning import _finish, _on_policy, _start
 
 pytestmark = pytest.mark.engine
 
@@ -21,20 +19,10 @@ def test_a_lora_run_serves_every_version_as_an_adapter_on_policy(tmp_path):
     steps, run_dir = 5, tmp_path / "run"
     proc = _start(run_dir, model, True, steps, "--set", "trainer.lora.rank=8",
                   "--set", "actor.scheduler.groups_per_step=2")
-    try:
-        proc.wait(timeout=900)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    # Exit 0, every step, pushes from the first that reached the engine.
+    done = _finish(proc, run_dir, steps, final="adapter_config.json")
+    first = [x["weights_pushed"] for x in done].index(True)
     log = open(f"{run_dir}.log").read()
-    assert proc.returncode == 0, log[-3000:]
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    done = [x for x in records if "step" in x]
-    assert len(done) == steps
-    pushed = [x["weights_pushed"] for x in done]
-    first = pushed.index(True) if True in pushed else len(pushed)
-    assert first <= 1 and all(pushed[first:]), pushed
     # Sync: every token at lag 0, and the engine's logprobs are the trainer's.
     on_policy = _on_policy(done)
     assert len(on_policy) >= steps // 2 and max(on_policy) < 1e-3, on_policy

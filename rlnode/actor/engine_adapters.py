@@ -17,7 +17,6 @@ the files: rlnode.weights.worker), the scheduler.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import os
 import shutil
 from dataclasses import dataclass
@@ -49,8 +48,7 @@ class AdapterSlots:
         self.directory = directory  # under the engine's scratch directory: removed with it
         self.current: ServedAdapter | None = None
         self.retiring: dict[int, ServedAdapter] = {}  # adapter id -> one with requests left
-        self._ids = itertools.count(1)
-        self._next_id = next(self._ids)
+        self._next_id = 1  # vLLM's adapter ids start at 1
         self._removals: set[asyncio.Task] = set()
         self.loaded_max = 0  # most adapters loaded at once (current + retiring), for the benchmark
         self.removed = 0
@@ -73,7 +71,7 @@ class AdapterSlots:
             # member of a new epoch to its version): nothing new to serve.
             await asyncio.to_thread(shutil.rmtree, path, True)
             return
-        self._next_id = next(self._ids)
+        self._next_id += 1
         request = LoRARequest(label, adapter_id, path)
         await llm.add_lora(request)
         old, self.current = self.current, ServedAdapter(label, request)

@@ -58,7 +58,7 @@ def print_comparison(c: LoraComparison) -> None:
     f, lo = c.full, c.lora
     print(f"\nLoRA vs full-weight updates: {f.model}")
     print(f"  over {lo.backend}; trainer on {lo.trainer_device} ({lo.precision}), engine on {lo.engine_device}; "
-          f"median of {lo.rounds} updates each, {f.rounds and 8} requests streaming through every update")
+          f"median of {lo.rounds} updates each, with requests streaming through every update")
     rows = [
         ("parameters moved", f"{f.params / 1e6:.2f}M", f"{lo.params / 1e6:.3f}M (rank {lo.lora_rank})", ""),
         ("bytes moved", f"{f.nbytes / 2**20:.2f} MiB", f"{lo.nbytes / 2**20:.3f} MiB", f"{c.bytes_ratio:.3f}"),
