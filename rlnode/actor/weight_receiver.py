@@ -335,9 +335,7 @@ async def apply_weight_update(engine: Engine, plan: WeightUpdatePlan, timeout_s:
     async with held.lock:
         if held.failed:
             raise LoadError(f"engine {engine.engine_id} failed loading earlier and must restart: {held.failed}")
-        refuse = ""
-        if held.source == source and plan.version < held.version:
-            refuse = f"version {plan.version} is older than version {held.version} that the engine holds"
+        refuse = _older(held, source, plan.version)
         t0 = time.monotonic()
         split: dict[str, float] = {}
         try:
@@ -357,9 +355,21 @@ async def apply_weight_update(engine: Engine, plan: WeightUpdatePlan, timeout_s:
         timings = UpdateTimings(plan.version, plan.epoch, plan.nbytes, total_s=time.monotonic() - t0, **phases,
                                 receive_paused=not overlap_transfer,
                                 **{f"receive_{k}": v for k, v in split.items()})
+    _log_updated(engine, label, timings)
+    return timings
+
+
+def _older(held: _EngineWeights, source: str, version: int) -> str:
+    """Why a plan of ``version`` from ``source`` is refused: older than what
+    the engine holds from the same source ("" when it is not)."""
+    if held.source == source and version < held.version:
+        return f"version {version} is older than version {held.version} that the engine holds"
+    return ""
+
+
+def _log_updated(engine: Engine, label: str, timings: UpdateTimings) -> None:
     log.info("weights.updated", engine=engine.engine_id, label=label,
              **{k: round(v, 4) if isinstance(v, float) else v for k, v in msgspec.structs.asdict(timings).items()})
-    return timings
 
 
 async def _apply_adapter(engine: Engine, plan: WeightUpdatePlan, label: str, source: str,
@@ -370,13 +380,11 @@ async def _apply_adapter(engine: Engine, plan: WeightUpdatePlan, label: str, sou
     requests in flight finish on the adapter they started with."""
     held = _weights(engine)
     async with held.lock:
-        refuse = ""
         if engine.adapters is None:
-            refuse = (f"engine {engine.engine_id} serves no LoRA adapters: the actor started with "
-                      "trainer.lora.rank = 0, the trainer sends an adapter")
-        elif held.source == source and plan.version < held.version:
-            refuse = f"version {plan.version} is older than version {held.version} that the engine holds"
-        path = engine.adapters.next_path()[1] if engine.adapters is not None else ""
+            refuse, path = (f"engine {engine.engine_id} serves no LoRA adapters: the actor started with "
+                            "trainer.lora.rank = 0, the trainer sends an adapter"), ""
+        else:
+            refuse, path = _older(held, source, plan.version), engine.adapters.next_path()[1]
         t0 = time.monotonic()
         try:
             split = await _receive(engine, plan, timeout_s, refuse, adapter_path=path)
@@ -391,8 +399,7 @@ async def _apply_adapter(engine: Engine, plan: WeightUpdatePlan, label: str, sou
         timings = UpdateTimings(plan.version, plan.epoch, plan.nbytes, receive_s=t1 - t0, pause_s=0.0,
                                 load_s=t2 - t1, reload_s=0.0, resume_s=0.0, stalled_s=0.0, total_s=t2 - t0,
                                 adapter=True, **{f"receive_{k}": v for k, v in split.items()})
-    log.info("weights.updated", engine=engine.engine_id, label=label,
-             **{k: round(v, 4) if isinstance(v, float) else v for k, v in msgspec.structs.asdict(timings).items()})
+    _log_updated(engine, label, timings)
     return timings
 
 
