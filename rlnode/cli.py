@@ -158,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "runs sync with trainer.lora on, beside full fine-tuning")
     bench.add_argument("--lora-rank", type=int, default=0, metavar="R",
                        help="weights/learn --lora: the adapter's rank (default trainer.lora.rank, else 16)")
+    bench.add_argument("--lora-set", dest="lora_overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
+                       help="learn --lora: a config override for the LoRA runs only (repeatable), e.g. "
+                       "trainer.optim.lr=1e-3: an adapter wants a higher learning rate than full weights")
     bench.add_argument("--actors", default="1,16,128,512", metavar="N,N,...",
                        help="link: simulated actor counts, one run each (default 1,16,128,512)")
     bench.add_argument("--seconds", type=float, default=5.0, help="link: timed window per actor count (default 5)")

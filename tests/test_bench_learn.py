@@ -79,3 +79,43 @@ def test_a_killed_bench_takes_its_run_with_it(tmp_path):
         bench.wait(10)
         if child is not None and _alive(child):
             os.kill(child, signal.SIGKILL)
+
+
+def test_lora_set_reaches_the_lora_runs_only(monkeypatch, capsys):
+    """--lora-set (an adapter's learning rate, say) is taken by the LoRA run
+    of each seed, never by its full fine-tuning baseline, and the table says so."""
+    import rlnode.bench.learn as learn
+
+    seen = []
+
+    def fake(config, overrides, seed, sync, max_lag, run_dir, target, log, lora_rank=0):
+        seen.append((seed, lora_rank, list(overrides)))
+        return _run("lora" if lora_rank else "sync", seed, [(0, 0.1), (20, 0.5 if lora_rank else 0.6)])
+
+    monkeypatch.setattr(learn, "run_recipe", fake)
+    res = learn.bench_learn("conf/demo.toml", "runs/x", [0, 1], False, 2, 0.5, ["model.path=m"], log=lambda *_: None,
+                            lora_rank=16, lora_overrides=["trainer.optim.lr=1e-3"])
+    assert seen == [(0, 0, ["model.path=m", "trainer.lora.rank=0"]), (0, 16, ["model.path=m", "trainer.optim.lr=1e-3"]),
+                    (1, 0, ["model.path=m", "trainer.lora.rank=0"]), (1, 16, ["model.path=m", "trainer.optim.lr=1e-3"])]
+    assert res.lora_overrides == ["trainer.optim.lr=1e-3"]
+    assert [round(d, 6) for d in res.lora_minus_full_final] == [-0.1, -0.1]
+    print_table(res)
+    assert "LoRA runs also took trainer.optim.lr=1e-3" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--lora-set", "trainer.optim.lr=1e-3"], "add --lora"),
+    (["--lora", "--lora-set", "trainer.optim.lr=fast"], "trainer.optim.lr"),
+])
+def test_lora_set_is_refused_before_any_run(tmp_path, args, says):
+    """A --lora-set without --lora, or one the config refuses, stops the
+    bench before its first run (minutes of full fine-tuning), naming why."""
+    from rlnode.tiny_model import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "model", seed=0)
+    out = subprocess.run([sys.executable, "-m", "rlnode", "bench", "learn", "--seeds", "0",
+                          "--set", f"model.path={model}", "--set", f"run.run_dir={tmp_path / 'run'}", *args],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out
+    assert says in out.stderr, out.stderr
+    assert not (tmp_path / "run" / "bench-learn").exists()

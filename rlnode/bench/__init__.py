@@ -200,8 +200,20 @@ def _learn(cfg: Config, args, log) -> int:
               f"rlnode tiny-model {cfg.model.path})", file=sys.stderr)
         return 2
     lora_rank = (args.lora_rank or cfg.trainer.lora.rank or 16) if args.lora else 0
+    if args.lora_overrides and not lora_rank:
+        print("rlnode bench learn: --lora-set applies to the LoRA runs: add --lora", file=sys.stderr)
+        return 2
+    if lora_rank:  # refused now, not after the first full run
+        from rlnode.config import ConfigError, load_config
+
+        try:
+            load_config(config, [*args.overrides, *args.lora_overrides, f"trainer.lora.rank={lora_rank}"])
+        except ConfigError as e:
+            print(f"rlnode bench learn: the LoRA runs' config (--set, --lora-set): {e}", file=sys.stderr)
+            return 2
     res = bench_learn(config, cfg.run.run_dir, seeds, args.with_async, max_lag, args.target,
-                      [f"model.path={cfg.model.path}", *args.overrides], log=log, lora_rank=lora_rank)
+                      [f"model.path={cfg.model.path}", *args.overrides], log=log, lora_rank=lora_rank,
+                      lora_overrides=args.lora_overrides)
     if args.json:
         print(msgspec.json.encode(res).decode())
     else:

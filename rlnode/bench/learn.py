@@ -76,6 +76,8 @@ class LearnBenchResult(msgspec.Struct):
     # minus the full fine-tuning run's (sync both, equal steps and samples).
     lora_rank: int = 0
     lora_minus_full_final: list[float] = []
+    # --lora-set: the overrides only the LoRA runs took (their learning rate, say)
+    lora_overrides: list[str] = []
 
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -160,10 +162,12 @@ def spread(mode: str, runs: list[LearnRun], target: float) -> Spread:
 
 
 def bench_learn(config: str, run_dir: str, seeds: list[int], with_async: bool, max_lag: int, target: float,
-                overrides: list[str] = (), log=print, lora_rank: int = 0) -> LearnBenchResult:
+                overrides: list[str] = (), log=print, lora_rank: int = 0,
+                lora_overrides: list[str] = ()) -> LearnBenchResult:
     """``lora_rank``: each seed also runs sync with ``trainer.lora.rank``
-    set (and ``trainer.lora.*`` / everything else from the config and
-    ``overrides``), beside full fine-tuning."""
+    set (and ``trainer.lora.*`` / everything else from the config,
+    ``overrides`` and then ``lora_overrides``, which only these runs take),
+    beside full fine-tuning."""
     base = Path(run_dir) / "bench-learn"
     runs: list[LearnRun] = []
     full = [*overrides, "trainer.lora.rank=0"] if lora_rank else list(overrides)  # the baseline: full weights
@@ -172,11 +176,12 @@ def bench_learn(config: str, run_dir: str, seeds: list[int], with_async: bool, m
         if with_async:
             runs.append(run_recipe(config, full, seed, False, max_lag, base / f"async-seed{seed}", target, log))
         if lora_rank:
-            runs.append(run_recipe(config, list(overrides), seed, True, 0, base / f"lora-seed{seed}", target, log,
-                                   lora_rank=lora_rank))
+            runs.append(run_recipe(config, [*overrides, *lora_overrides], seed, True, 0, base / f"lora-seed{seed}",
+                                   target, log, lora_rank=lora_rank))
     modes = ["sync", *(["async"] if with_async else []), *(["lora"] if lora_rank else [])]
     sp = [spread(m, [r for r in runs if r.mode == m], target) for m in modes]
-    res = LearnBenchResult(config, target, runs, sp, lora_rank=lora_rank)
+    res = LearnBenchResult(config, target, runs, sp, lora_rank=lora_rank,
+                           lora_overrides=list(lora_overrides) if lora_rank else [])
     if lora_rank:
         full = {r.seed: r.final_success for r in runs if r.mode == "sync"}
         res.lora_minus_full_final = [r.final_success - full[r.seed] for r in runs if r.mode == "lora"]
@@ -213,8 +218,9 @@ def print_table(r: LearnBenchResult) -> None:
               f"wall (median) {s.wall_s_median / 60:.1f} min")
     if r.lora_rank:
         diffs = ", ".join(f"{d:+.2f}" for d in r.lora_minus_full_final)
+        extra = f"; LoRA runs also took {' '.join(r.lora_overrides)}" if r.lora_overrides else ""
         print(f"LoRA (rank {r.lora_rank}) - full fine-tuning, final success per seed: {diffs} "
-              f"(equal steps and samples, both sync)")
+              f"(equal steps and samples, both sync{extra})")
     if r.async_vs_sync_final is not None:
         print(f"async / sync: final success {r.async_vs_sync_final:.2f}x, versions to {r.target} "
               f"{_f(r.async_vs_sync_versions_to_target)}x (equal steps and samples)")
