@@ -119,3 +119,30 @@ def test_lora_set_is_refused_before_any_run(tmp_path, args, says):
     assert out.returncode == 2, out
     assert says in out.stderr, out.stderr
     assert not (tmp_path / "run" / "bench-learn").exists()
+
+
+def test_a_run_whose_final_version_was_not_evaluated_is_refused(monkeypatch, tmp_path):
+    """The final success is the eval of the last version. A LoRA run of
+    SmolLM2 whose last eval (200 slow episodes) outlasted the daemon's 120 s
+    wait was reported with its v10 figure as 'final'. Now every run waits
+    (run.final_eval_wait_s) and a missing final eval is an error, not a
+    figure from another version."""
+    import json
+
+    import rlnode.bench.learn as learn
+
+    seen = []
+
+    def child(args, err, timeout, env):  # what the daemon leaves: a log and metrics, v0 and v10 evaluated
+        run_dir = tmp_path / "run"
+        seen.extend(args)
+        err.write(json.dumps({"event": "ready", "timestamp": "2026-11-27T18:00:00Z"}) + "\n")
+        rows = [{"step": v, "version": v, "time": 1e9 + v, "lag_mean": 0.0} for v in range(1, 21)]
+        rows += [{"eval": True, "version": v, "eval_success": 0.2, "time": 1e9 + v} for v in (0, 10)]
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return subprocess.CompletedProcess(args, 0)
+
+    monkeypatch.setattr(learn, "run_child", child)
+    with pytest.raises(RuntimeError, match="no evaluation of the final version v20"):
+        learn.run_recipe("conf/demo.toml", [], 0, True, 0, tmp_path / "run", 0.5, lambda *_: None)
+    assert f"run.final_eval_wait_s={learn.FINAL_EVAL_WAIT_S}" in seen

@@ -35,6 +35,9 @@ import msgspec
 from rlnode.bench.asyncrl import _free_port, _json_lines, _ts
 
 
+FINAL_EVAL_WAIT_S = 1800  # run.final_eval_wait_s of every run
+
+
 class LearnRun(msgspec.Struct):
     mode: str  # "sync" | "async" | "lora" (sync, trainer.lora on)
     seed: int
@@ -122,7 +125,10 @@ def run_recipe(config: str, overrides: list[str], seed: int, sync: bool, max_lag
     args += ["--set", f"run.run_dir={run_dir}", "--set", f"run.seed={seed}", "--set", "run.progress=false",
             "--set", f"trainer.sync={'true' if sync else 'false'}",
             "--set", f"trainer.port={_free_port()}", "--set", "http.trainer_port=0",
-            "--set", f"trainer.weights.base_port={_free_port()}"]
+            "--set", f"trainer.weights.base_port={_free_port()}",
+            # The final version's evaluation is the figure this bench reports:
+            # wait for it (200 episodes of a slow policy can pass the default 120 s).
+            "--set", f"run.final_eval_wait_s={FINAL_EVAL_WAIT_S}"]
     if not sync:
         args += ["--set", f"actor.scheduler.max_lag={max_lag}"]
     if lora_rank:
@@ -141,6 +147,11 @@ def run_recipe(config: str, overrides: list[str], seed: int, sync: bool, max_lag
     if not steps or not evals:
         raise RuntimeError(f"seed {seed} ({mode}): {len(steps)} steps, {len(evals)} evaluations in {run_dir}: "
                            "the config needs trainer.max_steps and actor.scheduler.eval_every")
+    if evals[-1][0] != steps[-1]["version"]:
+        raise RuntimeError(f"seed {seed} ({mode}): no evaluation of the final version v{steps[-1]['version']} "
+                           f"(the last is v{evals[-1][0]}) in {run_dir}: the config's trainer.max_steps should be "
+                           "a multiple of actor.scheduler.eval_every, and the evaluation end within "
+                           f"{FINAL_EVAL_WAIT_S} s of the last step")
     hit = next((i for i, (_, s, _) in enumerate(evals) if s >= target), None)
     wall = steps[-1]["time"] - ready
     run = LearnRun(
