@@ -261,6 +261,20 @@ def test_status_command(running_job):
     assert dead.returncode == 3 and "UNREACHABLE" in dead.stdout
 
 
+def test_native_cubes_start_no_gateway(running_job):
+    """The demo's cube is native (Cube.runs_agents = False): the actor
+    starts no gateway host process and serves no gateway URL. (A run whose
+    cube hands episodes to agents gets one: test_examples_agents trains
+    through it.) Before, every actor started a host process that loaded
+    the tokenizer and then sat idle."""
+    import psutil
+
+    gw = running_job.status()["roles"]["actor"]["gateway"]
+    assert not gw["url"] and gw["host_pids"] == [] and gw["host_starts"] == 0, gw
+    kids = psutil.Process(running_job.proc.pid).children(recursive=True)
+    assert not [p for p in kids if "rlnode.actor.gateway.host" in " ".join(p.cmdline())], kids
+
+
 def test_log_lines_carry_context(tmp_path):
     """structlog JSON on stderr: run, role, node and (once set) version on every event."""
     code = ("from rlnode.log import setup_logging, bind_context, get_logger, set_version\n"

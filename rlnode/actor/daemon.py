@@ -169,6 +169,9 @@ class ActorDaemon:
                 await prepare_engine(engine)
             if self.cubes:
                 self.scheduler = await self._make_scheduler()
+            # External agents' episodes only: native cubes alone start no
+            # gateway host process and bind no agent socket.
+            if self._gateway_needed:
                 if self._hosted:  # a port of its own, on the interface the ops endpoint's would be
                     http = self.cfg.http
                     await self._gateway_site.enter_async_context(
@@ -208,7 +211,7 @@ class ActorDaemon:
             msgspec.structs.replace(cfg.actor.scheduler, max_lag=effective_max_lag(cfg)),
             episode_settings(cfg), self.versions,
             seed=cfg.run.seed, on_eval=self._on_eval, id_prefix=f"{self.node_id}-{self.incarnation}-",
-            gateway=self.gateway, node_id=self.node_id, incarnation=start,
+            gateway=self.gateway if self._gateway_needed else None, node_id=self.node_id, incarnation=start,
         )
         await sched.prepare()
         return sched
@@ -391,6 +394,11 @@ class ActorDaemon:
     def http_bound(self, url: str) -> None:
         if not self._hosted:  # a gateway host listens on its own port
             self.gateway.url = url
+
+    @property
+    def _gateway_needed(self) -> bool:
+        """Some cube may hand episodes to external agents (Cube.runs_agents)."""
+        return any(c.runs_agents for c in self.cubes.values())
 
     @property
     def _hosted(self) -> bool:

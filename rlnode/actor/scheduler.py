@@ -30,7 +30,7 @@ from rlnode.actor.episode import ChatRenderer, EpisodeResult, EpisodeSettings, r
 from rlnode.actor.generation import LLMClient
 from rlnode.config import SchedulerConfig
 from rlnode.aio import spawn
-from rlnode.cubes.base import AgentTask, Cube, CubeTaskRef
+from rlnode.cubes.base import AgentTask, Cube, CubeError, CubeTaskRef
 from rlnode.log import get_logger
 from rlnode.wire import EpisodeSummary, GroupDelivery
 
@@ -350,7 +350,8 @@ class RolloutScheduler:
 
                     if self.gateway is None:
                         await task.close()
-                        raise RuntimeError(f"cube {ref.cube_id!r} needs the gateway (external agent)")
+                        raise CubeError(f"cube {ref.cube_id!r} opened an agent task, but it says runs_agents = False, "
+                                        "so this actor started no gateway for external agents")
                     return await run_agent_episode(self.gateway, task, settings, episode_id, group_id,
                                                    lambda: self.versions.version)
                 return await run_episode(self.client, self.renderer, task, settings, episode_id,

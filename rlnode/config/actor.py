@@ -198,7 +198,9 @@ class ActorConfig(Section):
     # chat template, tokenizing, tool/reasoning parsing) in a gateway host
     # process of its own, on its own cores, talking to the daemon over one
     # typed channel; the daemon keeps admission, the engine call and the
-    # samples (rlnode/actor/gateway/hosted.py). The host then listens on a
+    # samples (rlnode/actor/gateway/hosted.py). Either way the gateway runs
+    # only when a cube hands episodes to agents (Cube.runs_agents; the
+    # native cubes do not). The host then listens on a
     # port of its own (any free one, on http.host; loopback with [http]
     # off), never the ops endpoint's, and on the agents' socket; a host that
     # dies fails its open episodes (retried) and is restarted on the same

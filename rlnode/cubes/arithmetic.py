@@ -56,6 +56,8 @@ class ArithmeticTextTask(TextAnswerTask):
 
 
 class ArithmeticCube(Cube):
+    runs_agents = False  # the actor plays every episode itself (rlnode/actor/episode.py)
+
     kind = "arithmetic"
     Options = ArithmeticOptions
 

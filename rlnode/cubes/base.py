@@ -192,6 +192,12 @@ class Cube(abc.ABC):
     """A benchmark. ``cube_id`` is its name in this run."""
 
     cube_id: str
+    # Whether open_task may return AgentTasks (played by an external agent
+    # through the actor's gateway). The actor starts the gateway (its host
+    # processes and sockets) only when some cube says so, so a run of native
+    # cubes has no gateway process. True unless the cube knows better: the
+    # native cubes set False.
+    runs_agents: bool = True
 
     async def start(self) -> None:
         """Bring the benchmark up (spawn a server, open files)."""

@@ -104,6 +104,8 @@ class GuessingTask(CubeTask):
 
 
 class GuessingCube(Cube):
+    runs_agents = False  # the actor plays every episode itself (rlnode/actor/episode.py)
+
     kind = "guessing"
     Options = GuessingOptions
 

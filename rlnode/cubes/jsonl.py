@@ -86,6 +86,8 @@ class TextAnswerTask(JsonlTask):
 
 
 class JsonlCube(Cube):
+    runs_agents = False  # the actor plays every episode itself (rlnode/actor/episode.py)
+
     kind = "jsonl"
     Options = JsonlOptions
 

@@ -237,6 +237,8 @@ def split_tasks(tasks: list[dict[str, Any]], opts: ProtocolOptions) -> dict[str,
 
 
 class ProtocolCube(Cube):
+    runs_agents = False  # the actor plays every episode itself (rlnode/actor/episode.py)
+
     kind = "cube-protocol"
     Options = ProtocolOptions
 

@@ -376,6 +376,8 @@ class PythonMathTask(CubeTask):
 
 
 class PythonMathCube(Cube):
+    runs_agents = False  # the actor plays every episode itself (rlnode/actor/episode.py)
+
     kind = "python-math"
     Options = PythonMathOptions
 
