@@ -76,8 +76,8 @@ def _no_file_outlives_the_session():
 LONGEST_FIRST = ("test_cluster.py", "test_engine_lifetime.py", "test_learning.py", "test_weights.py",
                  "test_verifiers_cube.py", "test_weight_transport.py", "test_vllm_compat.py",
                  "test_bench_weights.py", "test_gpu_check.py", "test_examples_agents.py", "test_lora_updates.py",
-                 "test_lora_run.py", "test_eval_cli.py", "test_ops.py", "test_agent_cube.py", "test_agent_wall.py", "test_gateway.py", "test_parsers.py",
-                 "test_real_model.py")
+                 "test_lora_run.py", "test_eval_cli.py", "test_ops.py", "test_agent_cube.py", "test_agent_wall.py",
+                 "test_gateway.py", "test_parsers.py", "test_real_model.py")
 
 
 def pytest_collection_modifyitems(session, config, items):

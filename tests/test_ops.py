@@ -271,8 +271,14 @@ def test_native_cubes_start_no_gateway(running_job):
 
     gw = running_job.status()["roles"]["actor"]["gateway"]
     assert not gw["url"] and gw["host_pids"] == [] and gw["host_starts"] == 0, gw
+    def cmdline(p: psutil.Process) -> str:
+        try:
+            return " ".join(p.cmdline())
+        except psutil.NoSuchProcess:  # a short-lived child that ended since the listing
+            return ""
+
     kids = psutil.Process(running_job.proc.pid).children(recursive=True)
-    assert not [p for p in kids if "rlnode.actor.gateway.host" in " ".join(p.cmdline())], kids
+    assert not [p for p in kids if "rlnode.actor.gateway.host" in cmdline(p)], kids
 
 
 def test_log_lines_carry_context(tmp_path):
