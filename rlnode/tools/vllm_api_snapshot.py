@@ -29,7 +29,7 @@ import sys
 import zipfile
 from pathlib import Path
 
-from rlnode.actor.vllm_compat import SYMBOLS, Symbol, init_attrs_of
+from rlnode.actor.vllm_compat import SYMBOLS, Symbol, init_attrs_of, parse_python
 from rlnode.tools.vllm_contract import ONCE_BROKEN, Use, contract
 
 
@@ -51,7 +51,7 @@ def _find(body: list[ast.stmt], name: str) -> ast.stmt | None:
 
 def symbol_from_source(source: str, sym: Symbol) -> list[str] | None:
     node: ast.stmt | None = None
-    body = ast.parse(source).body
+    body = parse_python(source).body
     for part in sym.qualname.split("."):
         node = _find(body, part)
         if node is None:
@@ -108,7 +108,7 @@ class Release:
     def tree(self, module: str) -> ast.Module | None:
         if module not in self._trees:
             src = self.source(module)
-            self._trees[module] = None if src is None else ast.parse(src)
+            self._trees[module] = None if src is None else parse_python(src)
         return self._trees[module]
 
     def version(self) -> tuple[str, str]:

@@ -38,6 +38,8 @@ import ast
 from pathlib import Path
 from typing import Iterator, NamedTuple
 
+from rlnode.actor.vllm_compat import parse_python
+
 RLNODE_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -211,7 +213,7 @@ class _Scanner(ast.NodeVisitor):
 
 def scan_source(source: str, relpath: str = "<source>") -> list[Use]:
     s = _Scanner(relpath)
-    s.visit(ast.parse(source))
+    s.visit(parse_python(source))
     return s.uses
 
 
