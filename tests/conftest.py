@@ -102,6 +102,29 @@ def _wandb_files_stay_in_the_session(tmp_path_factory):
             os.environ[k] = v
 
 
+def of_another_test_worker(pid: int) -> bool:
+    """Whether process ``pid`` descends from another pytest-xdist worker.
+    The sandbox tests look for processes of any sandbox uid on the host,
+    and under ``-n 2`` the other worker may be running sandboxes of its own
+    at that moment (CI at 75b9f26 failed test_agent_wall on four processes
+    of two sandbox uids that were not the test's). A process of ours, or an
+    orphan reparented to init (a leak, whoever made it), is not excluded."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return False
+    me, our_parent = os.getpid(), os.getppid()
+    for _ in range(64):  # a parent chain is short; bounded in case of a cycle in racy reads
+        if pid in (me, 0, 1):
+            return False
+        try:
+            ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            return False
+        if ppid == our_parent:
+            return True  # a sibling of this worker: another worker, or one of its children
+        pid = ppid
+    return False
+
+
 def skip_or_fail(reason: str) -> None:
     """Skip a test that cannot run on this machine, except in CI (CI=true,
     which .ci/run's `make test` sets), where the missing piece is installed
