@@ -125,6 +125,32 @@ def of_another_test_worker(pid: int) -> bool:
     return False
 
 
+def sandbox_processes(bootstrap: bool = False) -> list[str]:
+    """Live processes of any sandbox uid (bwrap runs them as UID_BASE..),
+    and with ``bootstrap`` those running the sandbox's bootstrap, anywhere
+    on the host but under another test worker (of_another_test_worker):
+    none may outlive the episode or snippet that started it."""
+    from rlnode.cubes import isolation
+
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            status = (proc / "status").read_text()
+            cmdline = (proc / "cmdline").read_bytes() if bootstrap else b""
+        except OSError:
+            continue
+        if "State:\tZ" in status:
+            continue
+        uid = int(status.split("Uid:")[1].split()[0])
+        if (isolation.UID_BASE <= uid < isolation.UID_BASE + isolation.UID_SPAN or (
+                b"rlnode-sandbox bootstrap" in cmdline and int(proc.name) != os.getpid())) \
+                and not of_another_test_worker(int(proc.name)):
+            found.append(f"{proc.name} uid={uid} {cmdline[:60]!r}")
+    return found
+
+
 def skip_or_fail(reason: str) -> None:
     """Skip a test that cannot run on this machine, except in CI (CI=true,
     which .ci/run's `make test` sets), where the missing piece is installed

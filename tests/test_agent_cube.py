@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import assert_engine_idle, of_another_test_worker, reference_logprobs
+from conftest import assert_engine_idle, reference_logprobs, sandbox_processes
 from rlnode.actor.agent_episode import AgentFailed, run_agent_episode
 from rlnode.actor.engine import SamplingSettings
 from rlnode.actor.episode import ChatRenderer, EpisodeSettings, RewardRefused
@@ -295,20 +295,8 @@ async def test_an_agent_raising_systemexit_fails_only_its_episode(gateway, tmp_p
 
 def sandbox_uid_processes() -> list[str]:
     """Processes running as an agent sandbox's kernel uid (none may outlive
-    an episode), but for another test worker's (conftest.of_another_test_worker)."""
-    from rlnode.cubes import isolation
-
-    found = []
-    for proc in Path("/proc").iterdir():
-        try:
-            status = (proc / "status").read_text()
-        except (OSError, ValueError):
-            continue
-        uid = int(status.split("Uid:")[1].split()[0])
-        if isolation.UID_BASE <= uid < isolation.UID_BASE + isolation.UID_SPAN and "State:\tZ" not in status \
-                and not (proc.name.isdigit() and of_another_test_worker(int(proc.name))):
-            found.append(f"{proc.name} uid={uid}")
-    return found
+    an episode)."""
+    return sandbox_processes()
 
 
 async def test_a_timed_out_sandboxed_agent_leaves_nothing(gateway, tmp_path):

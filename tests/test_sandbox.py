@@ -17,7 +17,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from conftest import of_another_test_worker, skip_or_fail
+from conftest import sandbox_processes, skip_or_fail
 from rlnode.cubes import isolation
 from rlnode.cubes.sandbox import SandboxError, SandboxLimits, run_python
 
@@ -321,25 +321,8 @@ def escape(body: str) -> str:
 
 
 def sandbox_uid_processes() -> list[str]:
-    """Live processes of any sandbox uid (bwrap runs: UID_BASE..) or running
-    the bootstrap, anywhere on the host but under another test worker
-    (conftest.of_another_test_worker)."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        try:
-            status = (proc / "status").read_text()
-            cmdline = (proc / "cmdline").read_bytes()
-        except OSError:
-            continue
-        uid = int(status.split("Uid:")[1].split()[0])
-        if "State:\tZ" in status:
-            continue
-        if proc.name.isdigit() and of_another_test_worker(int(proc.name)):
-            continue
-        if isolation.UID_BASE <= uid < isolation.UID_BASE + isolation.UID_SPAN or (
-                b"rlnode-sandbox bootstrap" in cmdline and int(proc.name) != os.getpid()):
-            found.append(f"{proc.name} uid={uid} {cmdline[:60]!r}")
-    return found
+    """Live processes of any sandbox uid or running the bootstrap."""
+    return sandbox_processes(bootstrap=True)
 
 
 @pytest.fixture
