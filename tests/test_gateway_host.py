@@ -21,6 +21,7 @@ from rlnode.actor.agent_episode import run_agent_episode
 from rlnode.actor.engine import SamplingSettings
 from rlnode.actor.episode import EpisodeSettings
 from rlnode.actor.gateway import GatewayHostLost, HostedGateway
+from rlnode.actor.gateway.forkserver import FORK_SERVER
 from rlnode.actor.gateway.protocol import (
     Abort, Channel, Generate, HostStats, SessionState, ToDaemon, ToHost, Tokens,
 )
@@ -285,6 +286,79 @@ async def test_several_hosts_share_the_episodes_and_a_lost_one_fails_only_its_ow
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
     assert not os.path.exists(home)
+
+
+def parent_of(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def gone(pid: int) -> bool:
+    """Ended (a zombie left to an init that does not reap counts as ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+async def test_hosts_are_forked_from_one_server_which_comes_back_when_killed(hosted):
+    """Each host is forked by the fork server (which has the imports a host
+    needs done: forkserver.py), one server for every host of this process.
+    A restarted host comes from the same server; a server that died is
+    started again at the next host start, while running hosts serve on."""
+    gw, _, _ = hosted
+    server = FORK_SERVER.pid
+    assert server and parent_of(gw.host_pid) == server
+    first = gw.host_pid
+    os.kill(first, signal.SIGKILL)
+    await until(lambda: gw.host_pid not in (0, first))
+    assert parent_of(gw.host_pid) == server == FORK_SERVER.pid
+    os.kill(server, signal.SIGKILL)
+    await until(lambda: gone(server))
+    result = await run_agent_episode(gw, GuessTask(), SETTINGS, "ep-orphan", "g0")  # its host is unharmed
+    assert result.reward == 1.0
+    second = gw.host_pid
+    os.kill(second, signal.SIGKILL)
+    await until(lambda: gw.host_pid not in (0, second))
+    assert FORK_SERVER.pid not in (0, server) and parent_of(gw.host_pid) == FORK_SERVER.pid
+    result = await run_agent_episode(gw, GuessTask(), SETTINGS, "ep-new-server", "g1")
+    assert result.reward == 1.0 and gw.host_starts == 3
+
+
+FORKING_DAEMON = """
+import socket
+import time
+from rlnode.actor.gateway.forkserver import HostForkServer
+
+server = HostForkServer()
+chan, theirs = socket.socketpair()
+tcp, unix = socket.create_server(("127.0.0.1", 0)), socket.socket(socket.AF_UNIX)
+host = server.fork((theirs.fileno(), tcp.fileno(), unix.fileno()))
+print(server.pid, host.pid, flush=True)
+time.sleep(600)  # until killed
+"""
+
+
+def test_a_daemon_killed_9_leaves_neither_its_fork_server_nor_a_host():
+    """Nothing of the daemon's runs at a SIGKILL: the server ends when its
+    socket to the daemon closes, the host when its channel does."""
+    import subprocess
+    import sys
+    import time
+
+    daemon = subprocess.Popen([sys.executable, "-c", FORKING_DAEMON], stdout=subprocess.PIPE, text=True)
+    try:
+        server, host = map(int, daemon.stdout.readline().split())
+        assert parent_of(host) == server and not gone(server) and not gone(host)
+    finally:
+        daemon.kill()
+        daemon.wait()
+        daemon.stdout.close()
+    deadline = time.monotonic() + 30
+    while not (gone(server) and gone(host)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert gone(server) and gone(host)
 
 
 async def test_the_channel_batches_in_order_and_reports_a_broken_peer():

@@ -16,9 +16,10 @@ daemon (``hosted.py``) checks it, runs it and keeps the record samples are
 made from; the answer's ids come back to build the reply and the history.
 ``env/step`` is answered by the daemon, which owns the task.
 
-Started by the daemon as ``python -m rlnode.actor.gateway.host CHAN TCP
-UNIX`` (inherited descriptors: the channel's socket, the two listening
-sockets); exits when the channel closes (the daemon is gone) or on SIGTERM.
+Forked for the daemon by its fork server (``forkserver.py``, which has
+imported transformers and vLLM's parsers already), with three descriptors:
+the channel's socket and the two listening sockets (``main``); exits when
+the channel closes (the daemon is gone) or on SIGTERM.
 """
 
 from __future__ import annotations
@@ -292,13 +293,3 @@ def main(argv: list[str]) -> int:
     with asyncio.Runner(loop_factory=factory) as runner:
         return runner.run(serve(chan_fd, tcp_fd, unix_fd))
 
-
-if __name__ == "__main__":
-    code = main(sys.argv[1:])
-    # Shut down cleanly by now (sites closed, channel closed). Skip the
-    # interpreter's teardown of torch, transformers and vLLM's parser
-    # registry: 2-3 s on 2 cores, which every host stop (a daemon's
-    # shutdown, a host restart) used to wait for.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)

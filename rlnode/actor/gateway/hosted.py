@@ -29,8 +29,8 @@ import contextlib
 import math
 import os
 import shutil
+import signal
 import socket
-import sys
 from typing import AsyncIterator, Awaitable, Callable, TypeVar
 
 import msgspec
@@ -38,6 +38,7 @@ import msgspec
 from rlnode.actor.engine import EngineError
 from rlnode.actor.episode import EpisodeSettings, request_seed
 from rlnode.actor.gateway.api import GatewayError
+from rlnode.actor.gateway.forkserver import FORK_SERVER, ForkedHost
 from rlnode.actor.gateway.protocol import (
     Abort, CallFailed, Channel, CloseSession, EnvCall, EnvReplied, Generate, Generated, HostFailed, HostReady,
     HostStart, HostStats, OpenSession, PostReward, SessionState, Settle, ToDaemon, Tokens, Unsent, WireSettings,
@@ -129,7 +130,7 @@ class _Slot:
 class _Host:
     """One host process and its channel."""
 
-    def __init__(self, slot: _Slot, proc: asyncio.subprocess.Process, chan: Channel, lost: asyncio.Future):
+    def __init__(self, slot: _Slot, proc: ForkedHost, chan: Channel, lost: asyncio.Future):
         self.slot, self.proc, self.chan, self.lost = slot, proc, chan, lost
         self.pid = proc.pid
         self.stats = HostStats()
@@ -215,15 +216,13 @@ class HostedGateway:
 
     async def _start_host(self, slot: _Slot) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        fds = (theirs.fileno(), slot.tcp.fileno(), slot.unix.fileno())
         try:
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "rlnode.actor.gateway.host", *map(str, fds), pass_fds=fds,
-                stdin=asyncio.subprocess.DEVNULL,
-                # Its own session: a terminal's Ctrl-C reaches the daemon, which
-                # stops the host itself (SIGTERM, or the channel's end) once
-                # its episodes are drained.
-                start_new_session=True)
+            # Forked by the fork server, which has the host's imports done
+            # (forkserver.py): serving in ~0.3 s instead of ~6 s.
+            proc = await asyncio.to_thread(FORK_SERVER.fork, (theirs.fileno(), slot.tcp.fileno(), slot.unix.fileno()))
+        except BaseException:
+            ours.close()  # a host forked after all (this wait cancelled) reads EOF and ends
+            raise
         finally:
             theirs.close()
         loop = asyncio.get_running_loop()
@@ -309,13 +308,14 @@ class HostedGateway:
 
     async def _reap(self, host: _Host) -> None:
         host.chan.close()
-        if host.proc.returncode is None:
-            host.proc.terminate()
-            try:
-                await asyncio.wait_for(host.proc.wait(), STOP_TIMEOUT_S)
-            except asyncio.TimeoutError:
-                host.proc.kill()
-                await host.proc.wait()
+        try:
+            if host.proc.running:
+                host.proc.send_signal(signal.SIGTERM)
+                if not await host.proc.wait(STOP_TIMEOUT_S):
+                    host.proc.send_signal(signal.SIGKILL)
+                    await host.proc.wait()
+        finally:
+            host.proc.close()
 
     async def _stop_host(self, slot: _Slot) -> None:
         host, slot.host = slot.host, None
