@@ -325,6 +325,41 @@ async def test_hosts_are_forked_from_one_server_which_comes_back_when_killed(hos
     assert result.reward == 1.0 and gw.host_starts == 3
 
 
+async def test_a_host_start_cancelled_mid_fork_leaves_no_host_and_no_descriptor(tokenizer, tiny_model_dir):
+    """A fork waits seconds for a fresh server's imports. A start cancelled
+    then (the daemon stopping) must not hand the server descriptors that
+    were closed, or reused, meanwhile: the fork finishes in its thread on
+    duplicates of its own, the host it made reads EOF on its channel and
+    ends, and its pidfd is closed."""
+    import psutil
+
+    old = FORK_SERVER.pid
+    if old:  # the next start brings up a new server: its imports take seconds
+        os.kill(old, signal.SIGKILL)
+        await until(lambda: gone(old))
+    engine = HeldEngine(0, [[1]], space_id(tokenizer), tokenizer.eos_token_id)
+    await engine.start()
+    gw = HostedGateway(LLMClient([engine], AdmissionRouter(1, 16)), ModelConfig(path=str(tiny_model_dir)), SETTINGS)
+    fds = lambda: len(os.listdir("/proc/self/fd"))  # noqa: E731
+    before = fds()  # the server's socket is replaced, not added
+
+    async def serve():
+        async with gw.serve():
+            await asyncio.Event().wait()
+
+    task = asyncio.create_task(serve())
+    await until(lambda: FORK_SERVER.pid not in (0, old))  # the new server is importing
+    await asyncio.sleep(0.5)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.wait_for(until(lambda: fds() == before), 120)  # the fork's thread is done, its pidfd closed
+    server = psutil.Process(FORK_SERVER.pid)
+    await asyncio.wait_for(until(lambda: not server.children()), 30)  # the host it forked has ended
+    async with gw.serve():  # the server forks the next host as before
+        assert parent_of(gw.host_pid) == server.pid and gw.host_starts == 1
+
+
 FORKING_DAEMON = """
 import socket
 import time

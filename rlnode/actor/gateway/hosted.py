@@ -73,6 +73,15 @@ def make_gateway(where: str, client: LLMClient, renderer, model: ModelConfig, se
     raise ValueError(f"actor.gateway_host must be inline or process, not {where!r}")
 
 
+def _fork_host(fds: tuple[int, int, int]) -> ForkedHost:
+    """FORK_SERVER.fork in a thread; closes ``fds`` (duplicates) after."""
+    try:
+        return FORK_SERVER.fork(fds)
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
 class GatewayHostLost(CubeError):
     """The gateway host serving an episode died (or could not start): the
     episode fails and is retried; the daemon starts a new host."""
@@ -216,12 +225,17 @@ class HostedGateway:
 
     async def _start_host(self, slot: _Slot) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        # Forked by the fork server, which has the host's imports done
+        # (forkserver.py): serving in ~0.3 s instead of ~6 s. The thread
+        # gets descriptors of its own: if this start is cancelled, the fork
+        # under way finishes on them while ours close.
+        fork = asyncio.ensure_future(asyncio.to_thread(
+            _fork_host, tuple(os.dup(fd) for fd in (theirs.fileno(), slot.tcp.fileno(), slot.unix.fileno()))))
         try:
-            # Forked by the fork server, which has the host's imports done
-            # (forkserver.py): serving in ~0.3 s instead of ~6 s.
-            proc = await asyncio.to_thread(FORK_SERVER.fork, (theirs.fileno(), slot.tcp.fileno(), slot.unix.fileno()))
+            proc = await asyncio.shield(fork)
         except BaseException:
-            ours.close()  # a host forked after all (this wait cancelled) reads EOF and ends
+            ours.close()  # a host forked after all reads EOF and ends
+            fork.add_done_callback(lambda f: f.cancelled() or f.exception() or f.result().close())
             raise
         finally:
             theirs.close()
