@@ -147,9 +147,14 @@ async def test_a_hanging_cube_call_fails_its_episode_and_the_others_go_on(hang, 
 
 class HangingAgentTask(AgentTask):
     """An agent task whose agent makes one LLM call and whose ``hang``
-    (reset or evaluate: an LLM judge that never answers) never returns."""
+    (reset or evaluate: an LLM judge that never answers) never returns.
+    Its deadline also bounds the agent's run and its one call: CI at
+    0162b7a failed [evaluate] on "agent timed out after 1s (0 LLM calls)",
+    the engine's first call of that batch shape (vLLM compiles its sampler
+    per batch size: seconds), as this test alone failed at 5 s. The test
+    makes that call first; the deadline keeps a margin for a loaded host."""
 
-    timeout_s = TIMEOUT_S
+    timeout_s = 3.0
 
     def __init__(self, hang: str):
         self.ref = CubeTaskRef("agent", "t0")
@@ -186,8 +191,9 @@ async def test_an_agent_episode_whose_cube_hangs_fails_by_its_deadline(hang, eng
     gateway = make_gateway("inline", LLMClient([engine], router), ChatRenderer(tokenizer),
                            ModelConfig(path=str(tiny_model_dir)), settings, "rlnode")
     task = HangingAgentTask(hang)
+    await engine.generate(tokenizer.encode("hi"), SamplingSettings(max_tokens=4))  # the first call's compile
     async with gateway.serve():
-        with pytest.raises(CubeTimeout, match=f"{hang} of task 't0' did not return within timeout_s = 1 s"):
+        with pytest.raises(CubeTimeout, match=f"{hang} of task 't0' did not return within timeout_s = 3 s"):
             await asyncio.wait_for(run_agent_episode(gateway, task, settings, "g0/e0", "g0"), PATIENCE_S)
         assert not gateway.sessions
     assert task.closed == 1
