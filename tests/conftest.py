@@ -102,6 +102,17 @@ def _wandb_files_stay_in_the_session(tmp_path_factory):
             os.environ[k] = v
 
 
+def proc_stat(pid: int) -> list[str] | None:
+    """/proc/PID/stat's fields after the command name (which may hold
+    spaces): state is [0], parent pid [1], session id [3]; None when the
+    process is gone."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return raw[raw.rindex(")") + 2 :].split()
+
+
 def of_another_test_worker(pid: int) -> bool:
     """Whether process ``pid`` descends from another pytest-xdist worker.
     The sandbox tests look for processes of any sandbox uid on the host,
@@ -115,10 +126,9 @@ def of_another_test_worker(pid: int) -> bool:
     for _ in range(64):  # a parent chain is short; bounded in case of a cycle in racy reads
         if pid in (me, 0, 1):
             return False
-        try:
-            ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
+        if (st := proc_stat(pid)) is None:
             return False
+        ppid = int(st[1])
         if ppid == our_parent:
             return True  # a sibling of this worker: another worker, or one of its children
         pid = ppid

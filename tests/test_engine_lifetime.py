@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import proc_stat
 from daemons import ROOT, Daemon, free_port
 from rlnode.actor import engine_guard
 from rlnode.actor.engine import SCRATCH_PREFIX, sweep_engine_scratch
@@ -39,20 +40,11 @@ def actor_args(model_dir, run_dir, http_port: int) -> list[str]:
             "--set", "run.progress=false", "--set", f"http.actor_port={http_port}"]
 
 
-def _stat(pid: int) -> list[str] | None:
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    # Fields after comm (which may hold spaces): state is [0], session id [3].
-    return raw[raw.rindex(")") + 2 :].split()
-
-
 def session_pids(sid: int) -> dict[int, str]:
     """Live (not zombie) processes of session ``sid``: pid -> name."""
     out = {}
     for entry in os.listdir("/proc"):
-        if entry.isdigit() and (st := _stat(int(entry))) and st[0] != "Z" and int(st[3]) == sid:
+        if entry.isdigit() and (st := proc_stat(int(entry))) and st[0] != "Z" and int(st[3]) == sid:
             try:
                 out[int(entry)] = Path(f"/proc/{entry}/comm").read_text().strip()
             except OSError:

@@ -17,6 +17,7 @@ import msgspec
 import openai
 import pytest
 
+from conftest import proc_stat
 from rlnode.actor.agent_episode import run_agent_episode
 from rlnode.actor.engine import SamplingSettings
 from rlnode.actor.episode import EpisodeSettings
@@ -106,19 +107,15 @@ async def until(predicate) -> None:
 
 
 def parent_of(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as f:
-        return int(f.read().rsplit(")", 1)[1].split()[1])
+    return int(proc_stat(pid)[1])
 
 
 def gone(pid: int) -> bool:
     """Ended: no such process, or a zombie not reaped yet (the fork server
     reaps its hosts on SIGCHLD, a moment after they end; an orphan waits
     for an init that may never reap it)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
+    st = proc_stat(pid)
+    return st is None or st[0] == "Z"
 
 
 @pytest.fixture
