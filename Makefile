@@ -55,10 +55,21 @@ test-deps:
 cpu-only:
 	@if [ "$(EXTRA)" != cpu ]; then echo "make test runs on CPU (EXTRA=cpu); on a GPU host run: make EXTRA=gpu gpu-check" >&2; exit 2; fi
 
+# The suite runs as a new user would: HOME and the XDG directories are an
+# empty folder made for this run and removed after it (docs/testing.md), so
+# no test can pass on what an earlier run left in ~/.cache. The models the
+# suite uses are still built into runs/ beforehand. Python 3.12 for the
+# cube-standard server is looked up in the real HOME first (CUBE_PYTHON).
+CUBE_PYTHON ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12))
+export CUBE_PYTHON
+
 test: cpu-only setup test-deps
 	$(BIN)/lint-imports --no-cache --no-logo
 	# The real model the tokenizer, template, parser and parity tests use (offline, 20 s).
 	$(BIN)/rlnode pretrained smollm2-135m runs/smollm2-135m --if-missing
+	home=$$(mktemp -d "$${TMPDIR:-/tmp}/rlnode-test-home.XXXXXX") && trap 'rm -rf "$$home"' EXIT && \
+	HOME=$$home XDG_CACHE_HOME=$$home/.cache XDG_CONFIG_HOME=$$home/.config \
+	XDG_DATA_HOME=$$home/.local/share XDG_STATE_HOME=$$home/.local/state \
 	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=30 tests
 
 # The terminal shows a progress line per step and the final table;

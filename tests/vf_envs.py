@@ -32,7 +32,7 @@ from rlnode.cubes import vf_guess
 
 
 class ExitTaskConfig(vf_guess.GuessTaskConfig):
-    exit_in: Literal["", "harness", "rubric", "hang", "tool"] = ""
+    exit_in: Literal["", "harness", "rubric", "hang", "tool", "script"] = ""
 
 
 class ExitConfig(vf_guess.GuessConfig):
@@ -85,6 +85,15 @@ class ExitHarness(vf_guess.GuessHarness):
                 **passed, "OPENAI_BASE_URL": endpoint, "OPENAI_API_KEY": secret, "MODEL": ctx.model})
             ExitHarness.reports[data.id] = result.stdout + result.stderr
             return result
+        if exit_in == "script":
+            # Upstream's harnesses (the null harness's chat program) run a
+            # PEP 723 script through verifiers' prepare_uv_script; this one
+            # needs no package, so no index either.
+            program = await runtime.prepare_uv_script(SCRIPT_PROGRAM, {})
+            result = await runtime.run_program([*program], {
+                "OPENAI_BASE_URL": endpoint, "OPENAI_API_KEY": secret, "MODEL": ctx.model})
+            ExitHarness.reports[data.id] = result.stdout + result.stderr
+            return result
         if exit_in == "harness":
             raise SystemExit("the harness exits")
         if exit_in == "hang":
@@ -121,4 +130,34 @@ print("REPORT " + json.dumps(out))
 """
 
 
-__all__ = ["ExitHarness", "ExitTaskset"]
+# The PEP 723 "script" program: one model call, then it tries to change
+# what every later episode would run (its own script, its interpreter's
+# environment, the uv cache) and reports each attempt.
+SCRIPT_PROGRAM = r"""# /// script
+# requires-python = ">=3.10"
+# dependencies = []
+# ///
+import json, os, sys, urllib.request
+out = {"uid": os.getuid(), "executable": sys.executable, "script": os.path.abspath(__file__),
+       "virtual_env": os.environ.get("VIRTUAL_ENV", "")}
+def attempt(name, fn):
+    try:
+        out[name] = "ok: %r" % (fn(),)
+    except Exception as e:
+        out[name] = "refused: " + type(e).__name__
+def call():
+    body = json.dumps({"model": os.environ["MODEL"], "messages": [{"role": "user", "content": "guess"}]}).encode()
+    req = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/chat/completions", data=body, headers={
+        "Authorization": "Bearer " + os.environ["OPENAI_API_KEY"], "Content-Type": "application/json"})
+    return urllib.request.urlopen(req, timeout=20).status
+attempt("model_call", call)
+attempt("overwrite_script", lambda: open(__file__, "a").write("# planted"))
+attempt("plant_script", lambda: open(os.path.join(os.path.dirname(__file__), "planted.py"), "w").write("x"))
+attempt("plant_in_env", lambda: open(os.path.join(sys.prefix, "planted.pth"), "w").write("x"))
+attempt("plant_in_uv_cache", lambda: open(os.path.join(os.path.dirname(os.path.dirname(sys.prefix)),
+                                                       "planted"), "w").write("x"))
+print("REPORT " + json.dumps(out))
+"""
+
+
+__all__ = ["ExitHarness", "ExitTaskset", "SCRIPT_PROGRAM"]

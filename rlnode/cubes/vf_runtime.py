@@ -24,7 +24,10 @@ server, MCP tool servers), so exactly those ports are relayed (box loopback
 port stay out of reach.
 
 File reads and writes of the runtime (``read``/``write``) stay verifiers'
-own, on the working directory from the host side.
+own, on the working directory from the host side. The working directory
+lives under rlnode's cache root, and PEP 723 scripts are prepared on the
+host and shown read-only (``vf_scripts``): nothing a box can write is run
+by another box.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from rlnode.cubes import agent_sandbox, isolation
 from rlnode.cubes.agent_sandbox import AgentLimits, GatewayRelay
+from rlnode.cubes.vf_scripts import ScriptCache, ScriptError, cache_root
 from rlnode.log import get_logger
 
 log = get_logger("rlnode.cubes.vf_runtime")
@@ -253,8 +257,10 @@ async def _chunks(reader: asyncio.StreamReader) -> AsyncIterator[bytes]:
         yield chunk
 
 
-def make_walled_runtime(limits: AgentLimits, env: dict[str, str]):
-    """The ``SubprocessRuntime`` subclass whose processes run in a box.
+def make_walled_runtime(limits: AgentLimits, env: dict[str, str], scripts: ScriptCache):
+    """The ``SubprocessRuntime`` subclass whose processes run in a box, its
+    PEP 723 scripts prepared by ``scripts`` (on the host) and its working
+    directories under ``scripts.runtimes_dir``.
 
     Long because its classes are defined inside it: they subclass
     verifiers' runtime types, and verifiers (an optional dependency) is
@@ -288,6 +294,8 @@ def make_walled_runtime(limits: AgentLimits, env: dict[str, str]):
     class WalledRuntime(SubprocessRuntime):
         """verifiers' subprocess runtime, every process in one box."""
 
+        scripts_dir = str(scripts.scripts_dir)
+
         def __init__(self, config, name: str | None = None) -> None:
             super().__init__(config, name)
             self._box: Box | None = None
@@ -302,11 +310,35 @@ def make_walled_runtime(limits: AgentLimits, env: dict[str, str]):
                 return urlunsplit(parts._replace(netloc=f"127.0.0.1:{parts.port}"))
             return url
 
+        async def start(self) -> None:
+            # Under rlnode's cache root, not verifiers' ~/.cache: a service's
+            # home may be read-only (systemd ProtectHome=read-only).
+            self.workdir = scripts.runtimes_dir / self.name
+            await asyncio.to_thread(self.workdir.mkdir, parents=True)
+            self.info.id = str(self.workdir)
+
+        async def prepare_uv_script(self, script: str | bytes, env: dict[str, str] | None = None, *,
+                                    activate: bool = True) -> list[str]:
+            """verifiers' argv for a PEP 723 script, the script prepared on
+            the host (``vf_scripts``) instead of inside the box."""
+            data = script.encode() if isinstance(script, str) else script
+            try:
+                prepared = await scripts.prepare(data, env)
+            except ScriptError as e:
+                raise RuntimeError(str(e)) from e  # what verifiers' harnesses expect of a failed preparation
+            if not activate:
+                return [prepared.interpreter, prepared.path]
+            venv = os.path.dirname(os.path.dirname(prepared.interpreter))
+            # verifiers' own activation line (runtimes/base.py), so the script
+            # and what it starts see the environment as upstream sets it.
+            command = ('export VIRTUAL_ENV="$1" PATH="${1}/bin:$HOME/.local/bin:$PATH" '
+                       'UV_INSTALL_DIR="$HOME/.local/bin" UV_RUN_RECURSION_DEPTH=1; shift; exec "$@"')
+            return ["sh", "-c", command, "uv-script", venv, prepared.interpreter, prepared.path]
+
         async def _ready_box(self) -> Box:
             async with self._box_lock:
                 if self._box is None:
-                    scripts = [p for p in (SubprocessRuntime.scripts_dir,) if os.path.isdir(p)]
-                    box = Box(str(self.workdir), env, limits, scripts)
+                    box = Box(str(self.workdir), env, limits, scripts.ro_paths())
                     await box.start()
                     self._box = box
             for port in sorted(self._ports - set(self._box.relays)):
@@ -397,11 +429,12 @@ def make_walled_runtime(limits: AgentLimits, env: dict[str, str]):
 _installed: dict[str, Any] = {}
 
 
-def install(limits: AgentLimits, env: dict[str, str]) -> None:
+def install(limits: AgentLimits, env: dict[str, str], cache_dir: str = "") -> None:
     """Make verifiers build ``WalledRuntime`` wherever a config says
     ``runtime.type = "subprocess"``, for the whole process (verifiers picks
     the class by type, in ``verifiers.v1.runtimes._runtime_cls``). The first
-    call's limits and environment hold: one wall for every verifiers cube."""
+    call's limits, environment and cache root hold: one wall for every
+    verifiers cube."""
     import verifiers.v1.runtimes as runtimes
 
     if "cls" in _installed:
@@ -410,14 +443,16 @@ def install(limits: AgentLimits, env: dict[str, str]) -> None:
     if not callable(original):
         raise RuntimeError("this verifiers release picks runtimes some other way than rlnode expects "
                            "(verifiers.v1.runtimes._runtime_cls)")
-    walled = make_walled_runtime(limits, env)
+    scripts = ScriptCache(cache_root(cache_dir))
+    scripts.make_dirs()
+    walled = make_walled_runtime(limits, env, scripts)
 
     def _runtime_cls(config):
         return walled if config.type == "subprocess" else original(config)
 
     runtimes._runtime_cls = _runtime_cls
     _installed["cls"] = walled
-    log.info("verifiers.runtime_walled", limits=limits)
+    log.info("verifiers.runtime_walled", limits=limits, cache=str(scripts.root))
 
 
 def installed() -> bool:
