@@ -17,6 +17,8 @@ Where each part lives (import from ``rlnode.config``, which re-exports them):
   weight sync, ranks, trackers).
 * ``sections.py``: ``[run]``, ``[model]``, ``[link]``, ``[http]`` and the
   root ``Config``.
+* ``sft.py``: the ``[sft]`` table (``rlnode sft``, the supervised warm
+  start) and its checks.
 * ``checks.py``: the rules that involve several keys, and the bound on a
   group's wire size.
 * ``load.py``: TOML, ``--set`` overrides, the one validation.
@@ -48,6 +50,7 @@ from rlnode.config.checks import (
 from rlnode.config.derived import VLLM_LORA_RANKS, actor_node_id, effective_max_lag, engine_lora_rank, groups_in_flight
 from rlnode.config.load import load_config, parse_override, to_toml_dict
 from rlnode.config.sections import Config, HttpConfig, LinkConfig, ModelConfig, RunConfig
+from rlnode.config.sft import SftConfig, check_sft_job
 from rlnode.config.trainer import (
     AdvantageConfig,
     LoraConfig,
@@ -89,11 +92,13 @@ __all__ = [
     "SamplingConfig",
     "SchedulerConfig",
     "Section",
+    "SftConfig",
     "TrackersConfig",
     "TrainerConfig",
     "WeightSyncConfig",
     "actor_node_id",
     "check_cross_field",
+    "check_sft_job",
     "effective_max_lag",
     "groups_in_flight",
     "load_config",

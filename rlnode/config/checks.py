@@ -17,6 +17,7 @@ from rlnode.config.actor import CubeConfig
 from rlnode.config.base import ConfigError, explain
 from rlnode.config.derived import VLLM_LORA_RANKS
 from rlnode.config.sections import Config
+from rlnode.config.sft import check_sft_table
 from rlnode.config.trainer import TrainerConfig
 
 # vLLM samples greedily below this temperature (its _SAMPLING_EPS): the
@@ -53,6 +54,7 @@ def check_cross_field(cfg: Config) -> None:
         )
     _check_lora(cfg)
     _check_group_fits_frame(cfg)
+    check_sft_table(cfg.sft)
 
 
 # Wire size of one sample (rlnode.wire.TrainingSample): prompt ids and

@@ -1,5 +1,6 @@
 """The job-wide tables (``[run]``, ``[model]``, ``[link]``, ``[http]``,
-which both roles read) and ``Config``, the root that holds every table.
+which both roles read) and ``Config``, the root that holds every table
+(``[sft]``, read only by ``rlnode sft``, is declared in sft.py).
 
 Owns these knobs' types, defaults and bounds; each comment above a field is
 its documentation (scripts/gen_config_docs.py renders it into
@@ -15,6 +16,7 @@ from msgspec import Meta, field
 
 from rlnode.config.actor import ActorConfig
 from rlnode.config.base import NonNegInt, PositiveFloat, Section
+from rlnode.config.sft import SftConfig
 from rlnode.config.trainer import TrainerConfig
 
 
@@ -135,4 +137,5 @@ class Config(Section):
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     link: LinkConfig = field(default_factory=LinkConfig)
     http: HttpConfig = field(default_factory=HttpConfig)
+    sft: SftConfig = field(default_factory=SftConfig)
 
