@@ -19,8 +19,10 @@ sort), the shapes the environments read (``prompt``; ``names``).
 Both cubes run with the verifiers seat's runtime set to ``subprocess``
 (upstream's default is the remote Prime sandbox, refused at start), and
 ``--episodes`` test episodes per cube at once (``eval_share`` 1.0: all run
-concurrently). It prints ``rlnode eval``'s JSON: per cube the episodes,
-success rate, mean reward, errors and retries.
+concurrently; ``--env`` runs one of them alone). It prints ``rlnode
+eval``'s JSON: per cube the episodes, success rate, mean reward, errors,
+retries and where the episodes' time went (``phases_s``); the daemon's log
+goes to ``--workdir``/eval.log.
 """
 
 from __future__ import annotations
@@ -101,6 +103,7 @@ env = "{env}"
 num_train = 1
 num_test = 64
 timeout_s = {timeout_s}
+isolation = "{isolation}"
 [actor.cubes.options.env_args.agent.runtime]
 type = "subprocess"
 """
@@ -116,6 +119,10 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=256, help="completion tokens per LLM call (default 256)")
     p.add_argument("--timeout-s", type=float, default=600.0, help="per episode (default 600)")
     p.add_argument("--no-install", action="store_true", help="skip the pip installs")
+    p.add_argument("--env", choices=sorted(ENVS), action="append",
+                   help="run only this environment (repeat for several; default: both, at the same time)")
+    p.add_argument("--isolation", choices=("bwrap", "none"), default="bwrap",
+                   help="options.isolation of both cubes (default bwrap, the product's default)")
     args = p.parse_args()
     py = sys.executable
     if not args.no_install:
@@ -125,15 +132,21 @@ def main() -> int:
     args.workdir.mkdir(parents=True, exist_ok=True)
     write_datasets(args.workdir)
     conf = args.workdir / "upstream-vf.toml"
+    envs = {cid: ENVS[cid] for cid in (args.env or ENVS)}
     conf.write_text(CONFIG.format(workdir=args.workdir.resolve(), model=args.model.resolve(),
-                                  episodes=args.episodes, both=2 * args.episodes, max_tokens=args.max_tokens)
-                    + "".join(CUBE.format(id=cid, env=env, timeout_s=args.timeout_s) for cid, env in ENVS.items()))
+                                  episodes=args.episodes, both=len(envs) * args.episodes, max_tokens=args.max_tokens)
+                    + "".join(CUBE.format(id=cid, env=env, timeout_s=args.timeout_s, isolation=args.isolation)
+                              for cid, env in envs.items()))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "ERROR"}
     rlnode = str(Path(py).parent / "rlnode")
-    done = subprocess.run([rlnode, "--log-level", "warning", "eval", "--config", str(conf),
-                           "--episodes", str(args.episodes), "--json"],
-                          cwd=args.workdir, env=env, capture_output=True, text=True)
-    sys.stderr.write(done.stderr[-4000:])
+    log_path = args.workdir / "eval.log"
+    with open(log_path, "w") as log:
+        done = subprocess.run([rlnode, "--log-level", "info", "--log-json", "eval", "--config", str(conf),
+                               "--episodes", str(args.episodes), "--json"],
+                              cwd=args.workdir, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
+    if done.returncode:
+        sys.stderr.write(log_path.read_text()[-4000:])
+    print(f"# the daemon's log: {log_path}", file=sys.stderr)
     print(done.stdout)
     return done.returncode
 

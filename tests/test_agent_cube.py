@@ -120,6 +120,10 @@ async def test_example_agent_plays_guessing(how, gateway, hf_model):
     assert result.termination_reason == "done"
     check_samples(result, hf_model)
     assert gateway.stats.history_resets == 0
+    # Where its time went: the agent's run holds every LLM call, the evaluator was asked.
+    p = result.phases
+    assert set(p) == {"agent_s", "evaluate_s"} and p["evaluate_s"] > 0
+    assert sum(s.lease.llm_latency_s for s in result.samples) < p["agent_s"] < result.duration_s
 
 
 @pytest.mark.parametrize("agent,reward,success", [

@@ -404,6 +404,70 @@ async def test_a_harness_program_runs_behind_the_agents_wall(vf, tmp_path, monke
         await link.close()
 
 
+# One walled episode of vf_envs' "script" task in a process of its own, as
+# a new node runs it: HOME and the cache are empty folders.
+COLD_EPISODE = r"""
+import asyncio, json, sys
+sys.path.insert(0, sys.argv[3])
+from rlnode.cubes.base import AgentEndpoint
+from rlnode.cubes.registry import make_cube
+async def main():
+    cube = make_cube("vf1", "verifiers", {"env": "vf_envs", "num_train": 2, "num_test": 1, "env_args": {
+        "agent": {"runtime": {"type": "subprocess"}}, "taskset": {"task": {"exit_in": "script"}}}}, seed=0)
+    await cube.start()
+    task = await cube.open_task("train-00001")
+    try:
+        reward, error = await task.run_agent(AgentEndpoint(sys.argv[1], sys.argv[2], "", "scripted"), {}), None
+    except Exception as e:
+        reward, error = None, "%s: %s" % (type(e).__name__, e)
+    import vf_envs
+    print("RESULT " + json.dumps({"reward": reward, "error": error, "reports": vf_envs.ExitHarness.reports,
+                                  "phases": task.phases()}))
+asyncio.run(main())
+"""
+
+
+async def test_a_pep723_harness_script_runs_walled_from_an_empty_home_and_cache(vf, tmp_path):
+    """verifiers' harnesses run their agent as a PEP 723 script
+    (``prepare_uv_script``). On a new node (empty HOME, no cache) under the
+    default wall, the script is prepared on the host into rlnode's cache
+    and runs in the box: the episode's model call goes through, and the
+    box can change neither its script, nor its interpreter's environment,
+    nor the uv cache that later episodes run from."""
+    import hashlib
+
+    home, cache = tmp_path / "home", tmp_path / "xdg-cache"
+    home.mkdir()
+    env = {"PATH": os.environ["PATH"], "HOME": str(home), "XDG_CACHE_HOME": str(cache), "LANG": "C.UTF-8"}
+    async with scripted_server(lambda m: "2") as (endpoint, requests):
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", COLD_EPISODE, endpoint.base_url, endpoint.api_key, os.path.dirname(__file__),
+            env=env, cwd=tmp_path, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        out, err = await asyncio.wait_for(proc.communicate(), 180)
+    assert proc.returncode == 0, err.decode()[-3000:]
+    result = json.loads(out.decode().split("RESULT ", 1)[1])
+    assert result["error"] is None, result["error"]
+    assert result["reward"] == 0.0 and len(requests) == 1  # train-00001 is row 2 (after the test row): answer 1
+    (printed,) = result["reports"].values()
+    report = json.loads(printed.split("REPORT ", 1)[1])
+    root = cache / "rlnode" / "verifiers"
+    assert report.pop("model_call") == "ok: 200"
+    assert report.pop("uid") not in (0, os.getuid())
+    script = report.pop("script")
+    assert script.startswith(str(root / "scripts") + "/") and report.pop("executable").startswith(str(root / "uv"))
+    assert report.pop("virtual_env").startswith(str(root / "uv"))
+    assert all(v.startswith("refused") for v in report.values()), report
+    phases = result["phases"]  # where the episode's time went, from verifiers' trace and the task
+    assert set(phases) == {"serving_s", "harness_start_s", "harness_s", "model_s", "rubric_s", "teardown_s"}
+    assert phases["harness_start_s"] > 0 and phases["harness_s"] > 0 and phases["model_s"] > 0, phases
+    assert all(v >= 0 for v in phases.values()), phases
+    data = open(script, "rb").read()
+    assert os.path.basename(script) == hashlib.sha256(data).hexdigest() + ".py"
+    planted = [p for p in tmp_path.rglob("planted*")]
+    assert planted == []
+    assert sorted(p.name for p in home.iterdir()) == []  # nothing under HOME: the cache root holds it all
+
+
 def test_rlnode_eval_prints_one_line_for_a_cube_that_cannot_start(vf, tmp_path, capsys):
     """`rlnode eval` (its command function, in-process: cubes start before
     any engine) on an environment that cannot be imported and on one left

@@ -74,8 +74,10 @@ async def run_agent_episode(
     try:
         reset = await cube_call(task, "reset", task.reset())
         async with gateway.session(episode_id, task, settings, policy_version) as s:
+            t_agent = time.monotonic()
             returned = await _drive(task, s, task_payload(task, reset, episode_id, s.reward_key))
-        return await _result(task, s, returned, episode_id, group_id, time.monotonic() - t0)
+            agent_s = time.monotonic() - t_agent
+        return await _result(task, s, returned, episode_id, group_id, t0, agent_s)
     finally:
         await close_task(task)  # shielded: a cancelled episode still releases its task
 
@@ -116,10 +118,11 @@ async def _drive(task: AgentTask, s: GatewaySession, payload: dict) -> float | N
 
 
 async def _result(task: AgentTask, s: GatewaySession, returned: float | None, episode_id: str, group_id: str,
-                  duration_s: float) -> EpisodeResult:
+                  t0: float, agent_s: float) -> EpisodeResult:
     if not s.calls:
         raise AgentFailed("the agent made no LLM call through the gateway")
     success: bool | None = None
+    evaluate_s = 0.0
     if task.reward_source == "agent" and s.posted_reward is not None:
         reward, success, source = s.posted_reward, s.posted_success, "the agent's POST env/reward"
     elif task.reward_source == "agent" and returned is not None:
@@ -127,7 +130,9 @@ async def _result(task: AgentTask, s: GatewaySession, returned: float | None, ep
     elif task.has_evaluator:
         if returned is not None:  # reward_source = "evaluator": not the agent's to decide
             s.gateway.stats.agent_rewards_ignored += 1
+        t_eval = time.monotonic()
         ev = await cube_call(task, "evaluate", task.evaluate())
+        evaluate_s = time.monotonic() - t_eval
         reward, success, source = ev.reward, ev.success, f"cube {task.ref.cube_id!r}'s evaluator"
     else:
         raise AgentFailed("no reward: the agent returned none, posted none, and the task has no evaluator")
@@ -137,8 +142,9 @@ async def _result(task: AgentTask, s: GatewaySession, returned: float | None, ep
     reason = s.terminated or "done"
     calls = sorted(s.calls, key=lambda c: c.step_index)
     samples = [_sample(c, task, episode_id, group_id, reward, reason, len(calls)) for c in calls]
+    phases = {**task.phases(), "agent_s": agent_s, "evaluate_s": evaluate_s}
     return EpisodeResult(episode_id, group_id, task.ref.cube_id, task.ref.task_id, reward, bool(success),
-                         len(calls), reason, s.agent_errors, duration_s, samples)
+                         len(calls), reason, s.agent_errors, time.monotonic() - t0, samples, phases)
 
 
 def _sample(c, task: AgentTask, episode_id: str, group_id: str, reward: float, reason: str,

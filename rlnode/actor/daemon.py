@@ -105,6 +105,16 @@ def count_start(run_dir: str, node_id: str, incarnation: str) -> str:
     return f"start{before}" if before else ""
 
 
+def flat_summary(summary: dict) -> dict[str, float | int]:
+    """A cube's summary as the wire's EvalReport carries it: numbers only,
+    each phase's mean and p90 as ``<phase>_mean_s`` / ``<phase>_p90_s``."""
+    out = {k: v for k, v in summary.items() if isinstance(v, (int, float))}
+    for phase, d in summary.get("phases_s", {}).items():
+        name = phase.removesuffix("_s")
+        out[f"{name}_mean_s"], out[f"{name}_p90_s"] = d["mean"], d["p90"]
+    return out
+
+
 class ActorDaemon:
     name = "actor"
 
@@ -255,7 +265,7 @@ class ActorDaemon:
     def _on_eval(self, report) -> None:
         log.info("eval", version=report.version, cubes=report.cubes)
         if self.link is not None:
-            self.link.report_eval(report.version, report.cubes)
+            self.link.report_eval(report.version, {c: flat_summary(s) for c, s in report.cubes.items()})
 
     async def run(self, stop: asyncio.Event) -> None:
         jobs = []
@@ -504,6 +514,14 @@ class ActorDaemon:
                         ("rlnode_groups", "counter", "complete groups emitted", lab, s.groups),
                         ("rlnode_groups_dropped", "counter", "groups dropped (failed episode)", lab, s.groups_dropped),
                         ("rlnode_episode_reward_mean", "gauge", "mean episode reward", lab, s.reward_mean)]
+                d = s.durations
+                for phase in sorted(d.count):
+                    plab = {"cube": cube, "phase": phase.removesuffix("_s")}
+                    out += [("rlnode_episode_phase_seconds_sum", "counter",
+                             "seconds spent in an episode phase (agent, evaluate, harness_start, rubric, teardown, "
+                             "llm_call, llm_lease_wait, ...)", plab, d.sum_s[phase]),
+                            ("rlnode_episode_phase_count", "counter", "times an episode phase was timed", plab,
+                             d.count[phase])]
         g = self.gateway.stats
         out += [("rlnode_gateway_open_episodes", "gauge", "external-agent episodes open", {}, len(self.gateway.sessions)),
                 ("rlnode_gateway_calls", "counter", "chat completions served", {}, g.calls),

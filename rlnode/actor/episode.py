@@ -253,6 +253,9 @@ class EpisodeResult(msgspec.Struct):
     agent_errors: int  # agent-visible errors (malformed calls, bad args)
     duration_s: float
     samples: list[TrainingSample]
+    # Seconds by phase of the episode (agent_s, evaluate_s and what the task
+    # reports: AgentTask.phases); each LLM call's are on its sample's lease.
+    phases: dict[str, float] = {}
 
 
 class EpisodeSettings(msgspec.Struct):

@@ -26,6 +26,7 @@ from typing import Callable, Protocol
 
 import msgspec
 
+from rlnode.actor.durations import PhaseDurations
 from rlnode.actor.episode import ChatRenderer, EpisodeResult, EpisodeSettings, request_seed, run_episode
 from rlnode.actor.generation import LLMClient
 from rlnode.config import SchedulerConfig
@@ -101,8 +102,11 @@ class CubeStats(msgspec.Struct):
     # Of them, replies cut by max_tokens or the context (finish_reason
     # "length"): a high share means the budget, not the policy, ends replies.
     length_cut: int = 0
+    # Seconds per phase of completed episodes and their LLM calls.
+    durations: PhaseDurations = msgspec.field(default_factory=PhaseDurations)
 
     def record(self, ep: EpisodeResult) -> None:
+        self.durations.record(ep.phases, ep.samples)
         self.episodes += 1
         self.llm_calls += len(ep.samples)
         self.length_cut += sum(s.finish_reason == "length" for s in ep.samples)
@@ -128,7 +132,8 @@ class CubeStats(msgspec.Struct):
                 "turns_mean": self.turns_mean, "errors": self.errors, "retries": self.retries,
                 "agent_errors": self.agent_errors, "groups": self.groups, "groups_dropped": self.groups_dropped,
                 "llm_calls": self.llm_calls, "length_cut": self.length_cut,
-                "length_cut_fraction": self.length_cut / self.llm_calls if self.llm_calls else 0.0}
+                "length_cut_fraction": self.length_cut / self.llm_calls if self.llm_calls else 0.0,
+                "phases_s": self.durations.summary()}
 
 
 class Group(msgspec.Struct):

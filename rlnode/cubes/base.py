@@ -184,6 +184,13 @@ class AgentTask(CubeTask):
         Returns the reward, or None to take it from a posted reward or the
         task's evaluator. Raising fails the episode (the scheduler retries)."""
 
+    def phases(self) -> dict[str, float]:
+        """Seconds the last ``run_agent`` spent in phases the task can see
+        inside the agent's run (a harness's start, its rubric, its
+        teardown), by name ending in ``_s``; reported per cube beside the
+        actor's own (``agent_s``, ``evaluate_s``, each LLM call's)."""
+        return {}
+
 
 Split = Literal["train", "test"]
 

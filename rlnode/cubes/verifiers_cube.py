@@ -61,6 +61,7 @@ import importlib
 import os
 import secrets
 import sys
+import time
 from typing import Annotated, Any, Awaitable, Callable, Iterator, Literal, TypeVar
 
 import msgspec
@@ -112,6 +113,13 @@ class VerifiersOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     # daemon's user; logged as an error). Process-wide: the first verifiers
     # cube that starts decides for all.
     isolation: Literal["bwrap", "none"] = "bwrap"
+    # Under isolation = "bwrap": where the harnesses' PEP 723 scripts, their
+    # uv environments and the runtimes' working directories live (written
+    # by the daemon, read-only in the boxes: rlnode/cubes/vf_scripts.py).
+    # Empty: $CACHE_DIRECTORY (systemd CacheDirectory=), else
+    # $XDG_CACHE_HOME, else ~/.cache; then rlnode/verifiers. Process-wide
+    # like isolation.
+    cache_dir: str = ""
     # What one runtime's sandbox may take (agent_sandbox.AgentLimits).
     limits: AgentLimits = AgentLimits()
 
@@ -306,6 +314,8 @@ class VerifiersTask(AgentTask):
         self.timeout_s = opts.timeout_s
         self.reward: float | None = None
         self.traces: list = []
+        self._all_traces: list = []  # every seat's, for phases()
+        self._wall = [0.0, 0.0]  # time.time() at the start and end of the last episode
 
     async def reset(self) -> Reset:
         data = self.task.data
@@ -322,9 +332,15 @@ class VerifiersTask(AgentTask):
         vf = import_verifiers()
 
         async def play():
-            env = vf.load_environment(self.config)
-            async with env.serving():
-                return await env.run_episode(self.task, ctx)
+            self._wall = [time.time(), 0.0]
+            try:
+                env = vf.load_environment(self.config)
+                async with env.serving():
+                    episode = await env.run_episode(self.task, ctx)
+                    self._all_traces = list(episode.traces)
+                    return episode
+            finally:
+                self._wall[1] = time.time()  # after the interception and the runtimes are down
 
         with api_key_var(endpoint.api_key) as var:
             ctx = vf.ModelContext(
@@ -340,6 +356,36 @@ class VerifiersTask(AgentTask):
                             "verifiers episode failed")
         self.reward = sum(t.reward for t in self.traces) / len(self.traces)
         return self.reward
+
+    def phases(self) -> dict[str, float]:
+        """Where the last verifiers episode's time went, from verifiers' own
+        trace timing (wall clock) and this task's start and end of it:
+        ``serving_s`` (the interception server up, until the first trace
+        starts), ``harness_start_s`` (the runtime started and the harness
+        set up: scripts prepared), ``harness_s`` (the agent's run less its
+        model calls: the harness program's start, its work), ``model_s``
+        (the model calls as verifiers saw them), ``rubric_s`` (scoring) and
+        ``teardown_s`` (from the last trace's end until runtimes and
+        servers are down). Summed over the episode's traces."""
+        start, end = self._wall
+        if not end or not self._all_traces:
+            return {}
+        out = dict.fromkeys(("harness_start_s", "harness_s", "model_s", "rubric_s"), 0.0)
+        first, last = end, start
+        for t in self._all_traces:
+            tm = t.timing
+            spans = [s for s in (tm.boot, tm.setup, tm.agent, tm.finalize, tm.scoring) if s.start]
+            if spans:
+                first = min(first, *(s.start for s in spans))
+                last = max(last, *(s.end or s.start for s in spans))
+            model = min(sum(c.time.duration for c in t.calls), tm.agent.duration)
+            out["harness_start_s"] += tm.boot.duration + tm.setup.duration
+            out["harness_s"] += tm.agent.duration - model
+            out["model_s"] += model
+            out["rubric_s"] += tm.scoring.duration
+        out["serving_s"] = max(0.0, min(first, end) - start)
+        out["teardown_s"] = max(0.0, end - max(last, start))
+        return out
 
     async def evaluate(self) -> Evaluation:
         if self.reward is None:
@@ -392,7 +438,7 @@ class VerifiersCube(Cube):
         if o.isolation == "bwrap":
             from rlnode.cubes.openai_agent import inherited_env
 
-            vf_runtime.install(o.limits, inherited_env())
+            vf_runtime.install(o.limits, inherited_env(), o.cache_dir)
         if not self.tasks["train"]:
             raise CubeError(f"verifiers env {o.env!r} yielded no train tasks")
 

@@ -137,6 +137,7 @@ class Box:
         self._ids = 0
         self._waiters: dict[Any, asyncio.Future] = {}  # ("started", id) / ("exit", id) / ("listening", port)
         self._lock = asyncio.Lock()
+        self._ended = False  # the box is gone: every wait, now or later, fails
 
     async def start(self) -> None:
         self.relay_dir = tempfile.mkdtemp(prefix="rlnode-vfbox-")
@@ -169,8 +170,9 @@ class Box:
             return
         except OSError:
             data = b""
-        if not data:  # the box is gone: every waiter learns it
+        if not data:  # the box is gone: every waiter learns it, and every later one (_future)
             asyncio.get_running_loop().remove_reader(self.ctl.fileno())
+            self._ended = True
             for fut in self._waiters.values():
                 if not fut.done():
                     fut.set_exception(BoxError("the runtime's sandbox ended"))
@@ -188,7 +190,10 @@ class Box:
                     fut.set_result(msg.get("code"))
 
     def _future(self, key) -> asyncio.Future:
-        return self._waiters.setdefault(key, asyncio.get_running_loop().create_future())
+        fut = self._waiters.setdefault(key, asyncio.get_running_loop().create_future())
+        if self._ended and not fut.done():
+            fut.set_exception(BoxError("the runtime's sandbox ended"))
+        return fut
 
     async def mirror(self, port: int) -> None:
         """Relay the box's loopback ``port`` to the host's."""
@@ -208,7 +213,10 @@ class Box:
         msg = json.dumps({"op": "spawn", "id": pid, "argv": argv, "env": env, "cwd": cwd}).encode()
         if len(msg) > (1 << 20):
             raise BoxError("argv and environment exceed 1 MiB")
-        socket.send_fds(self.ctl, [msg], list(fds))
+        try:
+            socket.send_fds(self.ctl, [msg], list(fds))
+        except OSError as e:
+            raise BoxError(f"the runtime's sandbox is gone ({e})") from e
         await self._future(("started", pid))
         return pid
 
