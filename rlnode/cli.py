@@ -3,6 +3,7 @@
     rlnode --role {trainer,actor,all} --config FILE [--set k.p=v ...] [--peers H:P,...]
     rlnode tiny-model OUT_DIR [--arch ...] [--tie-embeddings] [--seed N] [--layers N --hidden N]
     rlnode pretrained smollm2-135m OUT_DIR [--dtype float32] [--if-missing]
+    rlnode sft --config FILE [--set k.p=v ...] [--run-dir DIR] [--resume]
     rlnode bench NAME [--config FILE] [--set ...] [--json]
     rlnode check --config FILE [--for-role R] [--gpus N] [--json]
     rlnode keygen DIR --actor NODE_ID [--actor NODE_ID ...]
@@ -89,6 +90,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="test episodes per cube (default actor.scheduler.eval_episodes)")
     ev.add_argument("--json", action="store_true",
                     help="print one JSON object keyed by cube id instead of a table")
+
+    sft = sub.add_parser("sft", help="supervised warm start: fine-tune model.path on the chat conversations of "
+                         "sft.data, the loss on the assistant's tokens only (writes RUN_DIR/final/)")
+    _add_config_args(sft)
+    sft.add_argument("--run-dir", dest="sft_run_dir", metavar="DIR", help="run directory (overrides run.run_dir)")
+    sft.add_argument("--resume", dest="sft_resume", action="store_true",
+                     help="continue from the latest checkpoint in the run directory, in the same data order")
 
     stp = sub.add_parser("status", help="summarise a running job from its daemons' HTTP endpoints")
     stp.add_argument("--peers", dest="status_peers", required=True, metavar="HOST:PORT,...",
@@ -238,6 +246,13 @@ def main(argv: list[str] | None = None) -> int:
               f"node ({', '.join(made.actors)}), keep trainer.key_secret on the trainer; set "
               f"link.curve_dir = \"{args.dir}\" on every node. Revoke a node: delete {args.dir}/authorized/NODE.key")
         return 0
+    if args.command == "sft":
+        cfg = _load(args)
+        if args.sft_run_dir or args.run_dir:
+            cfg.run.run_dir = args.sft_run_dir or args.run_dir
+        from rlnode.trainer.sft import main_sft
+
+        return main_sft(cfg, resume=args.sft_resume or args.resume)
     if args.command == "eval":
         cfg = _load(args)
         from rlnode.evaluate import main_eval
