@@ -54,3 +54,54 @@ def spawn(tasks: set[asyncio.Task], coro) -> asyncio.Task:
 def _log_failure(t: asyncio.Task) -> None:
     if not t.cancelled() and (e := t.exception()) is not None:
         log.error("task.failed", task=t.get_name(), error=repr(e)[:500], exc_info=e)
+
+
+# Loops whose tasks ``kill -USR1 <pid>`` logs, beside the main thread's
+# (a thread's own loop, e.g. the verifiers cubes' ForeignLoop).
+_dumped_loops: list[asyncio.AbstractEventLoop] = []
+
+
+def dump_tasks_on_signal(signum: int) -> None:
+    """On ``signum``, log every pending asyncio task of the main loop and of
+    the registered ones, each with the chain of awaits it is suspended in
+    (``debug.task``): what an episode that neither ends nor fails waits
+    for. Call from the main thread; read-only (tasks are only listed)."""
+    import signal
+
+    signal.signal(signum, lambda *_: dump_tasks())
+
+
+def register_loop(loop: asyncio.AbstractEventLoop) -> None:
+    _dumped_loops.append(loop)
+
+
+def dump_tasks() -> int:
+    """Log the pending tasks (see ``dump_tasks_on_signal``); how many."""
+    loops = list(_dumped_loops)
+    try:
+        loops.insert(0, asyncio.get_running_loop())
+    except RuntimeError:
+        pass
+    n = 0
+    for loop in loops:
+        for _ in range(3):  # another thread may add a task while we list them
+            try:
+                tasks = list(asyncio.all_tasks(loop))
+                break
+            except RuntimeError:
+                tasks = []
+        for t in tasks:
+            n += 1
+            log.warning("debug.task", loop=id(loop), task=t.get_name(), awaiting=_await_chain(t.get_coro()))
+    return n
+
+
+def _await_chain(coro) -> list[str]:
+    out = []
+    while coro is not None and len(out) < 40:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None) or getattr(coro, "ag_frame", None)
+        if frame is not None:
+            out.append(f"{frame.f_code.co_filename.rsplit('/site-packages/', 1)[-1]}:{frame.f_lineno} "
+                       f"{frame.f_code.co_qualname}")
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+    return out

@@ -219,6 +219,11 @@ def main(argv: list[str] | None = None) -> int:
     from rlnode.log import setup_logging
 
     setup_logging(args.log_level, args.log_json)
+    import signal
+
+    from rlnode.aio import dump_tasks_on_signal
+
+    dump_tasks_on_signal(signal.SIGUSR1)  # kill -USR1 <pid>: every waiting task, logged (debug.task)
 
     if args.command == "tiny-model":
         return _cmd_tiny_model(args)

@@ -46,6 +46,7 @@ import contextlib
 import threading
 from typing import Any, Awaitable, Callable, TypeVar
 
+from rlnode.aio import register_loop
 from rlnode.cubes.base import CubeError
 from rlnode.log import get_logger
 
@@ -81,6 +82,7 @@ class ForeignLoop:
 
     def _serve(self) -> None:
         asyncio.set_event_loop(self.loop)
+        register_loop(self.loop)
         while True:  # the process's lifetime: nothing stops this loop
             try:
                 self.loop.run_forever()
