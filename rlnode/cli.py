@@ -16,6 +16,7 @@ so ``--help`` and config errors are instant.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from rlnode import __version__
@@ -151,6 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--async", dest="with_async", action="store_true",
                        help="learn: also run each seed pipelined (trainer.sync = false) beside sync")
     bench.add_argument("--target", type=float, default=0.8, help="learn: held-out success to reach (default 0.8)")
+    bench.add_argument("--metric", choices=("success", "reward"), default="success",
+                       help="learn: what the table reports per version: held-out success (default) or mean reward "
+                            "(partial-credit rewards, e.g. verifiers' reverse_text LCS ratio); --target applies to it")
     bench.add_argument("--frames", type=int, default=5000, help="fuzz: frames to send (default 5000)")
     bench.add_argument("--tokens-per-step", type=int, default=4096,
                        help="trainer: prompt + completion tokens per optimizer step (default 4096)")
@@ -219,38 +223,17 @@ def main(argv: list[str] | None = None) -> int:
     from rlnode.log import setup_logging
 
     setup_logging(args.log_level, args.log_json)
-    import signal
-
     from rlnode.aio import dump_tasks_on_signal
 
     dump_tasks_on_signal(signal.SIGUSR1)  # kill -USR1 <pid>: every waiting task, logged (debug.task)
-
     if args.command == "tiny-model":
         return _cmd_tiny_model(args)
     if args.command == "pretrained":
         return _cmd_pretrained(args)
     if args.command == "status":
-        import asyncio
-
-        from rlnode.ops.status_cli import status_main
-
-        peers = [p.strip() for p in args.status_peers.split(",") if p.strip()]
-        import os
-
-        token = args.token if args.token is not None else os.environ.get("RLNODE_HTTP_TOKEN", "")
-        return asyncio.run(status_main(peers, args.timeout, token))
+        return _cmd_status(args)
     if args.command == "keygen":
-        from rlnode.link.curve import CurveError, keygen
-
-        try:
-            made = keygen(args.dir, args.actor)
-        except CurveError as e:
-            print(f"rlnode keygen: {e}", file=sys.stderr)
-            return 2
-        print(f"wrote CurveZMQ keys to {args.dir}: copy trainer.key and NODE.key + NODE.key_secret to each actor "
-              f"node ({', '.join(made.actors)}), keep trainer.key_secret on the trainer; set "
-              f"link.curve_dir = \"{args.dir}\" on every node. Revoke a node: delete {args.dir}/authorized/NODE.key")
-        return 0
+        return _cmd_keygen(args)
     if args.command == "sft":
         cfg = _load(args)
         if args.sft_run_dir or args.run_dir:
@@ -287,6 +270,31 @@ def main(argv: list[str] | None = None) -> int:
     from rlnode.daemon import run_daemon
 
     return run_daemon(cfg, args.role, resume=args.resume)
+
+
+def _cmd_status(args) -> int:
+    import asyncio
+    import os
+
+    from rlnode.ops.status_cli import status_main
+
+    peers = [p.strip() for p in args.status_peers.split(",") if p.strip()]
+    token = args.token if args.token is not None else os.environ.get("RLNODE_HTTP_TOKEN", "")
+    return asyncio.run(status_main(peers, args.timeout, token))
+
+
+def _cmd_keygen(args) -> int:
+    from rlnode.link.curve import CurveError, keygen
+
+    try:
+        made = keygen(args.dir, args.actor)
+    except CurveError as e:
+        print(f"rlnode keygen: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote CurveZMQ keys to {args.dir}: copy trainer.key and NODE.key + NODE.key_secret to each actor "
+          f"node ({', '.join(made.actors)}), keep trainer.key_secret on the trainer; set "
+          f"link.curve_dir = \"{args.dir}\" on every node. Revoke a node: delete {args.dir}/authorized/NODE.key")
+    return 0
 
 
 def _cmd_tiny_model(args) -> int:

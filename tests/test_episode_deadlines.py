@@ -148,18 +148,19 @@ async def test_a_hanging_cube_call_fails_its_episode_and_the_others_go_on(hang, 
 class HangingAgentTask(AgentTask):
     """An agent task whose agent makes one LLM call and whose ``hang``
     (reset or evaluate: an LLM judge that never answers) never returns.
-    Its deadline also bounds the agent's run and its one call: CI at
-    0162b7a failed [evaluate] on "agent timed out after 1s (0 LLM calls)",
-    the engine's first call of that batch shape (vLLM compiles its sampler
-    per batch size: seconds), as this test alone failed at 5 s. The test
-    makes that call first; the deadline keeps a margin for a loaded host."""
-
-    timeout_s = 3.0
+    ``timeout_s`` bounds the agent's run too, so the agent's one call would
+    race a short deadline (CI at 0162b7a failed [evaluate] on "agent timed
+    out after 1s (0 LLM calls)"; at 3 s it failed again beside a training
+    job): the deadline is 3 s for the call that hangs, and the agent's run
+    (before evaluate) has the test's patience instead."""
 
     def __init__(self, hang: str):
         self.ref = CubeTaskRef("agent", "t0")
         self.hang = hang
         self.closed = 0
+        # reset hangs before the agent runs: 3 s from the start; evaluate
+        # hangs after it: 3 s once the agent is done (run_agent sets it).
+        self.timeout_s = 3.0 if hang == "reset" else PATIENCE_S
 
     async def reset(self):
         if self.hang == "reset":
@@ -182,6 +183,7 @@ class HangingAgentTask(AgentTask):
 
     async def run_agent(self, endpoint, task):
         await one_call(endpoint.base_url, endpoint.api_key)
+        self.timeout_s = 3.0
 
 
 @pytest.mark.parametrize("hang", ["reset", "evaluate"])
