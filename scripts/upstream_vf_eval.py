@@ -110,6 +110,14 @@ type = "subprocess"
 ENVS = {"reverse-text": "reverse_text", "alphabet-sort": "alphabet_sort"}
 
 
+def install(verifiers: Path) -> None:
+    """The two environments from the checkout, as they are, and ``datasets``."""
+    py = sys.executable
+    envs = [str(verifiers / "environments" / n) for n in ENVS.values()]
+    subprocess.run([py, "-m", "pip", "install", "-q", "--no-deps", *envs], check=True)
+    subprocess.run([py, "-m", "pip", "install", "-q", "datasets"], check=True)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--verifiers", required=True, type=Path, help="a checkout of PrimeIntellect-ai/verifiers")
@@ -126,9 +134,7 @@ def main() -> int:
     args = p.parse_args()
     py = sys.executable
     if not args.no_install:
-        envs = [str(args.verifiers / "environments" / n) for n in ENVS.values()]
-        subprocess.run([py, "-m", "pip", "install", "-q", "--no-deps", *envs], check=True)
-        subprocess.run([py, "-m", "pip", "install", "-q", "datasets"], check=True)
+        install(args.verifiers)
     args.workdir.mkdir(parents=True, exist_ok=True)
     write_datasets(args.workdir)
     conf = args.workdir / "upstream-vf.toml"

@@ -88,7 +88,7 @@ def test_lora_set_reaches_the_lora_runs_only(monkeypatch, capsys):
 
     seen = []
 
-    def fake(config, overrides, seed, sync, max_lag, run_dir, target, log, lora_rank=0):
+    def fake(config, overrides, seed, sync, max_lag, run_dir, target, log, lora_rank=0, metric="success"):
         seen.append((seed, lora_rank, list(overrides)))
         return _run("lora" if lora_rank else "sync", seed, [(0, 0.1), (20, 0.5 if lora_rank else 0.6)])
 
@@ -146,3 +146,30 @@ def test_a_run_whose_final_version_was_not_evaluated_is_refused(monkeypatch, tmp
     with pytest.raises(RuntimeError, match="no evaluation of the final version v20"):
         learn.run_recipe("conf/demo.toml", [], 0, True, 0, tmp_path / "run", 0.5, lambda *_: None)
     assert f"run.final_eval_wait_s={learn.FINAL_EVAL_WAIT_S}" in seen
+
+
+def test_metric_reward_reads_the_mean_reward_and_the_rise_from_the_first_evaluation(monkeypatch, tmp_path, capsys):
+    """--metric reward: partial-credit rewards (reverse_text's LCS ratio)
+    are judged by the held-out mean reward, not the success rate; the rise
+    is the last evaluation's over the first (the SFT start at v0)."""
+    import json
+
+    import rlnode.bench.learn as learn
+
+    def child(args, err, timeout, env):
+        run_dir = tmp_path / "bench-learn" / "sync-seed0"
+        err.write(json.dumps({"event": "ready", "timestamp": "2026-11-28T10:00:00Z"}) + "\n")
+        rows = [{"step": v, "version": v, "time": 1e9 + v, "lag_mean": 0.0} for v in range(1, 21)]
+        rows += [{"eval": True, "version": v, "eval_success": 1.0, "eval_reward_mean": r, "time": 1e9 + v}
+                 for v, r in ((0, 0.31), (10, 0.45), (20, 0.62))]
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return subprocess.CompletedProcess(args, 0)
+
+    monkeypatch.setattr(learn, "run_child", child)
+    res = learn.bench_learn("conf/x.toml", str(tmp_path), [0], False, 2, 0.6, metric="reward", log=lambda *_: None)
+    (run,) = res.runs
+    assert run.evals == [(0, 0.31), (10, 0.45), (20, 0.62)] and run.final_success == 0.62
+    assert abs(run.rise - 0.31) < 1e-12 and abs(res.rise_median - 0.31) < 1e-12 and run.first_at_target == 20
+    learn.print_table(res)
+    out = capsys.readouterr().out
+    assert "held-out mean reward" in out and "+0.31" in out

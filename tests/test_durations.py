@@ -46,3 +46,16 @@ def test_an_eval_summary_with_phases_crosses_the_link_as_numbers():
     frame = msgspec.msgpack.encode(EvalReport("n1", 3, {"vf": flat}))
     back = msgspec.msgpack.Decoder(ToTrainer).decode(frame)
     assert back.cubes["vf"]["llm_lease_wait_mean_s"] == 0.25
+
+
+def test_a_cubes_summary_counts_each_calls_tokens():
+    from types import SimpleNamespace
+
+    stats = CubeStats()
+    calls = [SimpleNamespace(lease=LeaseMetadata(0, 0, 0.0, 0.5, prompt_tokens=p, completion_tokens=c),
+                             finish_reason="stop") for p, c in ((1000, 40), (1100, 60))]
+    stats.record(SimpleNamespace(phases={"agent_s": 2.0}, samples=calls, success=True, agent_errors=0, reward=0.5,
+                                 num_turns=2))
+    s = stats.summary()
+    assert (s["prompt_tokens_mean"], s["completion_tokens_mean"]) == (1050.0, 50.0)
+    assert s["phases_s"]["llm_call_s"]["count"] == 2 and s["phases_s"]["agent_s"]["mean"] == 2.0

@@ -102,11 +102,15 @@ class CubeStats(msgspec.Struct):
     # Of them, replies cut by max_tokens or the context (finish_reason
     # "length"): a high share means the budget, not the policy, ends replies.
     length_cut: int = 0
+    prompt_tokens: int = 0  # over the LLM calls of completed episodes
+    completion_tokens: int = 0
     # Seconds per phase of completed episodes and their LLM calls.
     durations: PhaseDurations = msgspec.field(default_factory=PhaseDurations)
 
     def record(self, ep: EpisodeResult) -> None:
         self.durations.record(ep.phases, ep.samples)
+        self.prompt_tokens += sum(s.lease.prompt_tokens for s in ep.samples)
+        self.completion_tokens += sum(s.lease.completion_tokens for s in ep.samples)
         self.episodes += 1
         self.llm_calls += len(ep.samples)
         self.length_cut += sum(s.finish_reason == "length" for s in ep.samples)
@@ -133,6 +137,8 @@ class CubeStats(msgspec.Struct):
                 "agent_errors": self.agent_errors, "groups": self.groups, "groups_dropped": self.groups_dropped,
                 "llm_calls": self.llm_calls, "length_cut": self.length_cut,
                 "length_cut_fraction": self.length_cut / self.llm_calls if self.llm_calls else 0.0,
+                "prompt_tokens_mean": self.prompt_tokens / self.llm_calls if self.llm_calls else 0.0,
+                "completion_tokens_mean": self.completion_tokens / self.llm_calls if self.llm_calls else 0.0,
                 "phases_s": self.durations.summary()}
 
 

@@ -213,7 +213,7 @@ def _learn(cfg: Config, args, log) -> int:
             return 2
     res = bench_learn(config, cfg.run.run_dir, seeds, args.with_async, max_lag, args.target,
                       [f"model.path={cfg.model.path}", *args.overrides], log=log, lora_rank=lora_rank,
-                      lora_overrides=args.lora_overrides)
+                      lora_overrides=args.lora_overrides, metric=args.metric)
     if args.json:
         print(msgspec.json.encode(res).decode())
     else:

@@ -53,6 +53,9 @@ class LearnRun(msgspec.Struct):
     lag_mean: float
     mismatch_kl_mean: float  # offpolicy/mismatch_kl over the steps
     run_dir: str
+    # The metric at the last evaluation minus at the first (v0: the start
+    # the run learned from, e.g. an SFT checkpoint).
+    rise: float = 0.0
 
 
 class Spread(msgspec.Struct):
@@ -81,6 +84,15 @@ class LearnBenchResult(msgspec.Struct):
     lora_minus_full_final: list[float] = []
     # --lora-set: the overrides only the LoRA runs took (their learning rate, say)
     lora_overrides: list[str] = []
+    # What the figures are: the held-out success rate, or the held-out mean
+    # reward (partial-credit rewards: an LCS ratio). "final_success" and
+    # the other success fields hold this metric.
+    metric: str = "success"
+    rise_median: float = 0.0  # over the seeds, of the first --seeds' mode
+
+
+# The metrics.jsonl field of each --metric.
+METRIC_FIELDS = {"success": "eval_success", "reward": "eval_reward_mean"}
 
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -116,7 +128,7 @@ def run_child(args: list[str], stderr, timeout: float, env: dict[str, str]) -> s
 
 
 def run_recipe(config: str, overrides: list[str], seed: int, sync: bool, max_lag: int, run_dir: Path,
-               target: float, log, lora_rank: int = 0) -> LearnRun:
+               target: float, log, lora_rank: int = 0, metric: str = "success") -> LearnRun:
     shutil.rmtree(run_dir, ignore_errors=True)  # metrics.jsonl appends: start clean
     run_dir.mkdir(parents=True)
     args = [sys.executable, "-m", "rlnode", "--role", "all", "--config", config, "--log-json"]
@@ -143,7 +155,8 @@ def run_recipe(config: str, overrides: list[str], seed: int, sync: bool, max_lag
     ready = next(_ts(e["timestamp"]) for e in map(json.loads, _json_lines(text)) if e.get("event") == "ready")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "step" in r]
-    evals = sorted((r["version"], r["eval_success"], r["time"]) for r in records if r.get("eval"))
+    field = METRIC_FIELDS[metric]
+    evals = sorted((r["version"], r[field], r["time"]) for r in records if r.get("eval"))
     if not steps or not evals:
         raise RuntimeError(f"seed {seed} ({mode}): {len(steps)} steps, {len(evals)} evaluations in {run_dir}: "
                            "the config needs trainer.max_steps and actor.scheduler.eval_every")
@@ -158,9 +171,10 @@ def run_recipe(config: str, overrides: list[str], seed: int, sync: bool, max_lag
         mode, seed, 0 if sync else max_lag, len(steps), [(v, s) for v, s, _ in evals], evals[-1][1],
         None if hit is None else evals[hit][0], None if hit is None else evals[hit][2] - ready,
         None if hit is None else min(s for _, s, _ in evals[hit:]), wall, statistics.fmean(r["lag_mean"] for r in steps),
-        statistics.fmean(r.get("offpolicy/mismatch_kl", 0.0) for r in steps), str(run_dir))
-    log(f"  {mode} seed {seed}: final {run.final_success:.2f}, >= {target} at v{run.first_at_target}, "
-        f"{wall / 60:.1f} min")
+        statistics.fmean(r.get("offpolicy/mismatch_kl", 0.0) for r in steps), str(run_dir),
+        rise=evals[-1][1] - evals[0][1])
+    log(f"  {mode} seed {seed}: final {metric} {run.final_success:.2f} (v{evals[0][0]} {evals[0][1]:.2f}), "
+        f">= {target} at v{run.first_at_target}, {wall / 60:.1f} min")
     return run
 
 
@@ -174,7 +188,7 @@ def spread(mode: str, runs: list[LearnRun], target: float) -> Spread:
 
 def bench_learn(config: str, run_dir: str, seeds: list[int], with_async: bool, max_lag: int, target: float,
                 overrides: list[str] = (), log=print, lora_rank: int = 0,
-                lora_overrides: list[str] = ()) -> LearnBenchResult:
+                lora_overrides: list[str] = (), metric: str = "success") -> LearnBenchResult:
     """``lora_rank``: each seed also runs sync with ``trainer.lora.rank``
     set (and ``trainer.lora.*`` / everything else from the config,
     ``overrides`` and then ``lora_overrides``, which only these runs take),
@@ -183,16 +197,18 @@ def bench_learn(config: str, run_dir: str, seeds: list[int], with_async: bool, m
     runs: list[LearnRun] = []
     full = [*overrides, "trainer.lora.rank=0"] if lora_rank else list(overrides)  # the baseline: full weights
     for seed in seeds:  # per seed, sync then the others: a drift of the machine hits all
-        runs.append(run_recipe(config, full, seed, True, 0, base / f"sync-seed{seed}", target, log))
+        runs.append(run_recipe(config, full, seed, True, 0, base / f"sync-seed{seed}", target, log, metric=metric))
         if with_async:
-            runs.append(run_recipe(config, full, seed, False, max_lag, base / f"async-seed{seed}", target, log))
+            runs.append(run_recipe(config, full, seed, False, max_lag, base / f"async-seed{seed}", target, log,
+                                   metric=metric))
         if lora_rank:
             runs.append(run_recipe(config, [*overrides, *lora_overrides], seed, True, 0, base / f"lora-seed{seed}",
-                                   target, log, lora_rank=lora_rank))
+                                   target, log, lora_rank=lora_rank, metric=metric))
     modes = ["sync", *(["async"] if with_async else []), *(["lora"] if lora_rank else [])]
     sp = [spread(m, [r for r in runs if r.mode == m], target) for m in modes]
     res = LearnBenchResult(config, target, runs, sp, lora_rank=lora_rank,
-                           lora_overrides=list(lora_overrides) if lora_rank else [])
+                           lora_overrides=list(lora_overrides) if lora_rank else [], metric=metric,
+                           rise_median=statistics.median(r.rise for r in runs if r.mode == modes[0]))
     if lora_rank:
         full = {r.seed: r.final_success for r in runs if r.mode == "sync"}
         res.lora_minus_full_final = [r.final_success - full[r.seed] for r in runs if r.mode == "lora"]
@@ -210,19 +226,23 @@ def _f(x, fmt: str = ".2f") -> str:
 
 def print_table(r: LearnBenchResult) -> None:
     versions = sorted({v for run in r.runs for v, _ in run.evals})
-    print(f"\nlearn benchmark: {r.config}, held-out success per evaluated version "
+    what = "success" if r.metric == "success" else "mean reward"
+    print(f"\nlearn benchmark: {r.config}, held-out {what} per evaluated version "
           f"(--role all on this machine, one run at a time)")
     head = f"{'mode':<6}{'seed':>5}" + "".join(f"{'v' + str(v):>6}" for v in versions)
-    head += f"{'final':>7}{'>=' + str(r.target):>8}{'min after':>10}{'to target':>11}{'wall':>8}{'lag':>6}{'k3 KL':>9}"
+    head += (f"{'final':>7}{'rise':>7}{'>=' + str(r.target):>8}{'min after':>10}{'to target':>11}{'wall':>8}"
+             f"{'lag':>6}{'k3 KL':>9}")
     print(head)
     for run in r.runs:
         by_v = dict(run.evals)
         row = f"{run.mode:<6}{run.seed:>5}" + "".join(f"{_f(by_v.get(v)):>6}" for v in versions)
         to = "-" if run.first_at_target_s is None else f"{run.first_at_target_s / 60:.1f}m"
-        row += (f"{run.final_success:>7.2f}{_f(run.first_at_target, 'd'):>8}{_f(run.min_after_target):>10}"
+        row += (f"{run.final_success:>7.2f}{run.rise:>+7.2f}{_f(run.first_at_target, 'd'):>8}"
+                f"{_f(run.min_after_target):>10}"
                 f"{to:>11}{run.wall_s / 60:>7.1f}m{run.lag_mean:>6.2f}{run.mismatch_kl_mean:>9.1e}")
         print(row)
-    print(f"\nover the seeds (final success min / median / max; seeds that reached {r.target} and stayed)")
+    print(f"\nover the seeds (final {what} min / median / max; seeds that reached {r.target} and stayed; "
+          f"rise from the first evaluation, median {r.rise_median:+.2f})")
     for s in r.spread:
         print(f"{s.mode:<6} final {s.final_min:.2f} / {s.final_median:.2f} / {s.final_max:.2f}   "
               f"held {s.held}/{s.seeds}   versions to {r.target} (median) {_f(s.first_at_target_median, '.0f')}   "
