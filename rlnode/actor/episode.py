@@ -29,7 +29,6 @@ import asyncio
 import hashlib
 import math
 import time
-from pathlib import Path
 from typing import Any, Awaitable, Callable, TypeVar
 
 import msgspec
@@ -39,6 +38,7 @@ from rlnode.actor.generation import LLMClient
 from rlnode.actor.parsing import CompletionParser
 from rlnode.actor.router import LeaseMetadata
 from rlnode.config import ConfigError, ModelConfig
+from rlnode.config.derived import chat_template_text
 from rlnode.cubes.base import Action, Cube, CubeError, CubeTask, CubeTaskRef, ToolSpec
 from rlnode.log import get_logger
 from rlnode.wire import TrainingSample, pack_f32, pack_i32
@@ -162,15 +162,8 @@ def make_renderer(tokenizer, model: ModelConfig) -> ChatRenderer:
     """The renderer ``model`` asks for: its chat template and parsers.
     ConfigError naming the key when the template file is missing or a
     parser is unknown."""
-    template = None
-    if model.chat_template:
-        path = Path(model.chat_template)
-        if not path.is_file():
-            raise ConfigError(f"model.chat_template: {path} is not a file (a Jinja chat template; a relative path "
-                              "is taken from the working directory)")
-        template = path.read_text()
     parser = CompletionParser(tokenizer, model.tool_parser, model.reasoning_parser)
-    return ChatRenderer(tokenizer, template, parser)
+    return ChatRenderer(tokenizer, chat_template_text(model), parser)
 
 
 async def check_tools_rendered(renderer: ChatRenderer, cubes: dict[str, Cube], chat_template: str = "") -> None:

@@ -7,8 +7,10 @@ Owns no knob and no rule (checks.py). Must not import torch or vllm.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
-from rlnode.config.sections import Config
+from rlnode.config.base import ConfigError
+from rlnode.config.sections import Config, ModelConfig
 
 
 def groups_in_flight(cfg: Config) -> int:
@@ -43,3 +45,16 @@ def engine_lora_rank(cfg: Config) -> int:
     if rank == 0:
         return 0
     return cfg.actor.engine.max_lora_rank or next((r for r in VLLM_LORA_RANKS if r >= rank), rank)
+
+
+def chat_template_text(model: ModelConfig) -> str | None:
+    """``model.chat_template``'s Jinja text, or None for the tokenizer's own;
+    a ConfigError naming the key when the file is missing. The actor's
+    renderer and ``rlnode sft`` render with the same template."""
+    if not model.chat_template:
+        return None
+    path = Path(model.chat_template)
+    if not path.is_file():
+        raise ConfigError(f"model.chat_template: {path} is not a file (a Jinja chat template; a relative path "
+                          "is taken from the working directory)")
+    return path.read_text()

@@ -44,6 +44,7 @@ import msgspec
 import torch
 
 from rlnode.config import Config, ConfigError, LossConfig, ModelConfig, check_sft_job
+from rlnode.config.derived import chat_template_text
 from rlnode.log import get_logger
 from rlnode.trainer.checkpoint import CheckpointManager, MetricsWriter, is_adapter, model_adapter_spec
 from rlnode.trainer.learner import Learner, causal_lm
@@ -171,14 +172,7 @@ def load_tokenizer(m: ModelConfig) -> tuple[object, str | None]:
     """(tokenizer, model.chat_template's text or None), as the actor loads them."""
     from transformers import AutoTokenizer
 
-    template = None
-    if m.chat_template:
-        path = Path(m.chat_template)
-        if not path.is_file():
-            raise ConfigError(f"model.chat_template: {path} is not a file (a Jinja chat template; a relative path "
-                              "is taken from the working directory)")
-        template = path.read_text()
-    return AutoTokenizer.from_pretrained(m.tokenizer or m.path), template
+    return AutoTokenizer.from_pretrained(m.tokenizer or m.path), chat_template_text(m)
 
 
 def check_positions(cfg: Config) -> None:
