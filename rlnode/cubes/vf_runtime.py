@@ -428,6 +428,7 @@ def make_walled_runtime(limits: AgentLimits, env: dict[str, str], scripts: Scrip
         def cleanup(self) -> None:
             if self._box is not None:
                 self._box.kill_now()
+                shutil.rmtree(self._box.relay_dir, ignore_errors=True)
             if self.workdir is not None:
                 shutil.rmtree(self.workdir, ignore_errors=True)
 
