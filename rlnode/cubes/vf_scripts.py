@@ -76,7 +76,6 @@ class ScriptError(RuntimeError):
 class PreparedScript:
     path: str  # the script, under <root>/scripts
     interpreter: str  # its environment's python, under <root>/uv
-    python_home: str  # the installation that interpreter runs from
 
 
 class ScriptCache:
@@ -88,6 +87,9 @@ class ScriptCache:
         self.scripts_dir = root / "scripts"
         self.uv_cache = root / "uv"
         self.runtimes_dir = root / "runtimes"
+        # Every environment is built for the daemon's own interpreter
+        # (uv sync --python), so this one installation is all they run from.
+        self.python = isolation.interpreter(sys.executable)
         self._prepared: dict[str, PreparedScript] = {}
         self._locks: dict[str, asyncio.Lock] = {}
 
@@ -99,8 +101,7 @@ class ScriptCache:
 
     def ro_paths(self) -> list[str]:
         """What a box must see (read-only) to run any prepared script."""
-        homes = {p.python_home for p in self._prepared.values()}
-        return [str(self.scripts_dir), str(self.uv_cache), *sorted(homes)]
+        return [str(self.scripts_dir), str(self.uv_cache), os.path.dirname(os.path.dirname(self.python))]
 
     async def prepare(self, script: bytes, env: dict[str, str] | None = None) -> PreparedScript:
         digest = hashlib.sha256(script).hexdigest()
@@ -118,16 +119,14 @@ class ScriptCache:
         if uv is None:
             raise ScriptError("failed to prepare uv script: uv not found; it comes with rlnode's verifiers "
                               "extra (pip install 'rlnode[verifiers]', or pip install uv)")
-        python = isolation.interpreter(sys.executable)
         uv_env = {**{k: v for k, v in os.environ.items() if "API_KEY" not in k.upper()}, **env,
                   "UV_CACHE_DIR": str(self.uv_cache), "UV_PYTHON_DOWNLOADS": "never"}
         await self._uv(uv, ["sync", "--script", str(path), "-q", "--no-config", "--compile-bytecode",
-                            "--python", python], uv_env, digest)
+                            "--python", self.python], uv_env, digest)
         found = await self._uv(uv, ["python", "find", "--script", str(path), "--no-config"], uv_env, digest)
         interpreter = found.strip().splitlines()[-1]
-        home = await asyncio.to_thread(_python_home, Path(interpreter))
-        log.info("verifiers.script_prepared", script=digest[:12], interpreter=interpreter, python_home=home)
-        return PreparedScript(str(path), interpreter, home)
+        log.info("verifiers.script_prepared", script=digest[:12], interpreter=interpreter)
+        return PreparedScript(str(path), interpreter)
 
     @staticmethod
     def _write(path: Path, data: bytes) -> None:
@@ -163,17 +162,6 @@ class ScriptCache:
                 "environment names (UV_INDEX_URL, proxies; UV_OFFLINE=1 with UV_FIND_LINKS for an offline "
                 "node)")
         return out.decode(errors="replace")
-
-
-def _python_home(interpreter: Path) -> str:
-    """The installation a uv environment's interpreter runs from (its
-    ``pyvenv.cfg`` ``home``, one level up from that ``bin``)."""
-    cfg = interpreter.parent.parent / "pyvenv.cfg"
-    for line in cfg.read_text().splitlines():
-        key, _, value = line.partition("=")
-        if key.strip() == "home":
-            return os.path.realpath(os.path.dirname(value.strip()))
-    raise ScriptError(f"{cfg} names no python home")
 
 
 __all__ = ["PreparedScript", "ScriptCache", "ScriptError", "cache_root", "uv_binary"]
