@@ -131,6 +131,8 @@ def main() -> int:
                    help="run only this environment (repeat for several; default: both, at the same time)")
     p.add_argument("--isolation", choices=("bwrap", "none"), default="bwrap",
                    help="options.isolation of both cubes (default bwrap, the product's default)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE",
+                   help="passed to rlnode eval (repeatable), e.g. --set actor.scheduler.max_starting_agents=1")
     args = p.parse_args()
     py = sys.executable
     if not args.no_install:
@@ -148,7 +150,7 @@ def main() -> int:
     log_path = args.workdir / "eval.log"
     with open(log_path, "w") as log:
         done = subprocess.run([rlnode, "--log-level", "info", "--log-json", "eval", "--config", str(conf),
-                               "--episodes", str(args.episodes), "--json"],
+                               "--episodes", str(args.episodes), "--json", *(f"--set={kv}" for kv in args.set)],
                               cwd=args.workdir, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
     if done.returncode:
         sys.stderr.write(log_path.read_text()[-4000:])

@@ -8,6 +8,8 @@ awaits the agent, and turns the calls the gateway served into
 ``TrainingSample``s with the episode's reward. Reset, the agent's run,
 evaluate and close each run under the task's ``timeout_s``
 (``episode.cube_call``): past it the episode fails (retried, then counted).
+The agent's run is admitted first (``agent_starts``: a few agents starting
+at a time); its ``timeout_s`` counts from its admission.
 
 Reward (``AgentTask.reward_source``): by default the task's evaluator, and
 nothing the agent returns or posts counts (the policy writes the agent's
@@ -28,9 +30,11 @@ still in flight, so nothing outlives the episode.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from typing import Awaitable, Callable
 
+from rlnode.actor.agent_starts import AgentStarts
 from rlnode.actor.episode import (
     EpisodeResult, EpisodeSettings, check_reward, close_task, cube_call, training_sample,
 )
@@ -69,15 +73,23 @@ async def run_agent_episode(
     episode_id: str,
     group_id: str,
     policy_version: Callable[[], int] = lambda: 0,
+    starts: AgentStarts | None = None,
 ) -> EpisodeResult:
+    """``starts``: the node's admission of agent starts (none: the agent
+    starts at once)."""
     t0 = time.monotonic()
     try:
         reset = await cube_call(task, "reset", task.reset())
         async with gateway.session(episode_id, task, settings, policy_version) as s:
-            t_agent = time.monotonic()
-            returned = await _drive(task, s, task_payload(task, reset, episode_id, s.reward_key))
+            t_wait = time.monotonic()
+            async with starts.admit(s.agent_up) if starts is not None else contextlib.nullcontext():
+                t_agent = time.monotonic()
+                returned = await _drive(task, s, task_payload(task, reset, episode_id, s.reward_key))
             agent_s = time.monotonic() - t_agent
-        return await _result(task, s, returned, episode_id, group_id, t0, agent_s)
+        result = await _result(task, s, returned, episode_id, group_id, t0, agent_s)
+        if starts is not None:
+            result.phases["start_wait_s"] = t_agent - t_wait
+        return result
     finally:
         await close_task(task)  # shielded: a cancelled episode still releases its task
 

@@ -505,6 +505,10 @@ class ActorDaemon:
                     ("rlnode_generation_failures", "counter", "failed generation requests", lab, e.requests_failed),
                     ("rlnode_engine_serving", "gauge", "1 when the engine is up", lab, float(e.llm is not None))]
         if self.scheduler:
+            a = self.scheduler.agent_starts
+            out += [("rlnode_agents_starting", "gauge", "external agents holding a start slot "
+                     "(actor.scheduler.max_starting_agents)", {}, a.starting),
+                    ("rlnode_agents_start_waiting", "gauge", "external agents waiting for a start slot", {}, a.waiting)]
             for cube, s in self.scheduler.stats.items():
                 lab = {"cube": cube}
                 out += [("rlnode_episodes", "counter", "episodes completed", lab, s.episodes),

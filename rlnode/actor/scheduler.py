@@ -26,6 +26,7 @@ from typing import Callable, Protocol
 
 import msgspec
 
+from rlnode.actor.agent_starts import AgentStarts
 from rlnode.actor.durations import PhaseDurations
 from rlnode.actor.episode import ChatRenderer, EpisodeResult, EpisodeSettings, request_seed, run_episode
 from rlnode.actor.generation import LLMClient
@@ -219,6 +220,7 @@ class RolloutScheduler:
         self._train_ids: dict[str, list[str]] = {}
         self._test_ids: dict[str, list[str]] = {}
         self._slots = asyncio.Semaphore(cfg.max_concurrent_episodes)
+        self.agent_starts = AgentStarts(cfg.max_starting_agents)
         self._eval_slots = asyncio.Semaphore(max(1, math.floor(cfg.eval_share * cfg.max_concurrent_episodes)))
         self._tasks: set[asyncio.Task] = set()
 
@@ -364,7 +366,7 @@ class RolloutScheduler:
                         raise CubeError(f"cube {ref.cube_id!r} opened an agent task, but it says runs_agents = False, "
                                         "so this actor started no gateway for external agents")
                     return await run_agent_episode(self.gateway, task, settings, episode_id, group_id,
-                                                   lambda: self.versions.version)
+                                                   lambda: self.versions.version, self.agent_starts)
                 return await run_episode(self.client, self.renderer, task, settings, episode_id,
                                          group_id, lambda: self.versions.version)
             finally:

@@ -157,6 +157,10 @@ class SchedulerConfig(Section):
     max_lag: NonNegInt = 1
     # Episodes in flight on this node (train + eval).
     max_concurrent_episodes: PositiveInt = 256
+    # External agents starting at once on this node (rlnode/actor/agent_starts.py):
+    # an agent holds a start slot until its first request reaches the gateway,
+    # and its timeout_s counts from then on. 0 = one per CPU this daemon may use.
+    max_starting_agents: NonNegInt = 0
     # Groups this node asks the trainer credits for, i.e. can run at once;
     # the trainer shares the global budget among actors by this demand.
     # 0 = ceil(max_concurrent_episodes / attempts).

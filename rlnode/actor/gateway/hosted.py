@@ -442,6 +442,14 @@ class HostedGateway:
         s = self.sessions.get(token)
         return s if s is not None and s.slot is host.slot else None
 
+    def _agent_session(self, host: _Host, token: str) -> HostedSession | None:
+        """``_session`` for a request the agent made (a model, env or
+        reward call): its agent is up."""
+        s = self._session(host, token)
+        if s is not None:
+            s.agent_up.set()
+        return s
+
     def _sum_host_stats(self) -> None:
         for f in _HOST_FIELDS:
             setattr(self.stats, f, sum(getattr(slot.base, f) + (getattr(slot.host.stats, f) if slot.host else 0)
@@ -456,7 +464,7 @@ class HostedGateway:
             s.posted_reward, s.posted_success = m.posted_reward, m.posted_success
 
     def _generate(self, host: _Host, m: Generate) -> None:
-        s = self._session(host, m.token)
+        s = self._agent_session(host, m.token)
         try:
             if s is None or s.closed or s.lost.done():
                 raise GatewayError(404, "unknown or finished episode", code="episode_not_found")
@@ -542,7 +550,7 @@ class HostedGateway:
         send(Generated(m.call_id, comp.token_ids, comp.finish_reason))
 
     def _post_reward(self, host: _Host, m: PostReward) -> None:
-        s = self._session(host, m.token)
+        s = self._agent_session(host, m.token)
         if s is None or s.closed:
             host.chan.send(CallFailed(m.call_id, 404, "unknown or finished episode", "episode_not_found"))
         elif not s.reward_key or not (math.isfinite(m.reward) and abs(m.reward) <= s.settings.max_abs_reward):
@@ -553,7 +561,7 @@ class HostedGateway:
             host.chan.send(EnvReplied(m.call_id, b'{"ok":true}'))
 
     def _env(self, host: _Host, m: EnvCall) -> None:
-        s = self._session(host, m.token)
+        s = self._agent_session(host, m.token)
 
         async def step() -> None:
             try:

@@ -154,6 +154,7 @@ class Gateway:
             raise GatewayError(404, "unknown or finished episode", code="episode_not_found")
         if key is None:
             s.check_key(request)
+        s.agent_up.set()
         return s
 
     # -- handlers -------------------------------------------------------------

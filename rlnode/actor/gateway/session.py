@@ -113,6 +113,9 @@ class GatewaySession:
         # One environment call at a time: a cube task is a sequential
         # environment (its state after step k is the input of step k+1).
         self.env_lock = asyncio.Lock()
+        # Set at the agent's first request (a model or env call): its start
+        # is over (agent_starts.AgentStarts releases its slot).
+        self.agent_up = asyncio.Event()
 
     @property
     def endpoint(self) -> AgentEndpoint:
