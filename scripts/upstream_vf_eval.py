@@ -78,6 +78,9 @@ device = "cpu"
 cpu_kv_cache_gib = 2
 enforce_eager = true
 max_num_seqs = {episodes}
+# The engine's threads on half of the CPUs, the harness programs start on
+# the others (scheduler.max_starting_agents defaults to those).
+cpu_omp_threads_bind = "{omp_bind}"
 
 [actor.router]
 llm_max_rollouts = {episodes}
@@ -108,6 +111,14 @@ isolation = "{isolation}"
 type = "subprocess"
 """
 ENVS = {"reverse-text": "reverse_text", "alphabet-sort": "alphabet_sort"}
+
+
+def engine_cpus() -> str:
+    """Half of this machine's CPUs for the engine (at least one), as
+    VLLM_CPU_OMP_THREADS_BIND lists them: the rest start the harness
+    programs."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return ",".join(map(str, cpus[:max(1, len(cpus) // 2)]))
 
 
 def install(verifiers: Path) -> None:
@@ -141,7 +152,7 @@ def main() -> int:
     write_datasets(args.workdir)
     conf = args.workdir / "upstream-vf.toml"
     envs = {cid: ENVS[cid] for cid in (args.env or ENVS)}
-    conf.write_text(CONFIG.format(workdir=args.workdir.resolve(), model=args.model.resolve(),
+    conf.write_text(CONFIG.format(workdir=args.workdir.resolve(), model=args.model.resolve(), omp_bind=engine_cpus(),
                                   episodes=args.episodes, both=len(envs) * args.episodes, max_tokens=args.max_tokens)
                     + "".join(CUBE.format(id=cid, env=env, timeout_s=args.timeout_s, isolation=args.isolation)
                               for cid, env in envs.items()))

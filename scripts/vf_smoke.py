@@ -103,6 +103,9 @@ num_engines = 1
 cpu_kv_cache_gib = 1
 enforce_eager = true
 max_num_seqs = 64
+# Half of the CPUs for the engine's threads; the harness programs start on
+# the others (upstream_vf_eval.engine_cpus).
+cpu_omp_threads_bind = "{omp_bind}"
 
 [actor.router]
 llm_max_rollouts = 64
@@ -197,7 +200,8 @@ def main() -> int:
         upstream_vf_eval.install(args.verifiers)
     upstream_vf_eval.write_datasets(work)
     write_sft_set(work / "sft.jsonl", args.sft_examples)
-    common = dict(workdir=work, steps=args.steps, eval_episodes=64, attempts=4, groups=4)
+    common = dict(workdir=work, steps=args.steps, eval_episodes=64, attempts=4, groups=4,
+                  omp_bind=upstream_vf_eval.engine_cpus())
     (work / "reverse-text.toml").write_text(CONFIG.format(
         env="reverse-text", module="reverse_text", model=args.model.resolve(), max_tokens=96, lr="2e-5", **common))
     print(f"vf_smoke: rlnode sft ({args.sft_examples} conversations; log {log})", file=sys.stderr)

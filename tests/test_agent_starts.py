@@ -141,3 +141,14 @@ def test_the_default_is_one_start_per_cpu_of_the_daemon():
     assert SchedulerConfig().max_starting_agents == 0
     assert AgentStarts(0).limit == node_cpus() == len(os.sched_getaffinity(0))
     assert AgentStarts(3).limit == 3
+
+
+def test_the_default_leaves_a_cpu_engines_bound_cores_to_it():
+    from rlnode.actor.agent_starts import bound_cpus, default_limit
+
+    assert bound_cpus("0") == {0} and bound_cpus("0-3") == {0, 1, 2, 3} and bound_cpus("0-1|4,6") == {0, 1, 4, 6}
+    assert bound_cpus("nobind") == bound_cpus("auto") == set()
+    mine = os.sched_getaffinity(0)
+    assert default_limit("cpu", "nobind") == default_limit("cuda", "0") == len(mine)
+    assert default_limit("cpu", str(min(mine))) == max(1, len(mine) - 1)
+    assert default_limit("cpu", ",".join(map(str, mine))) == 1  # never none

@@ -33,6 +33,32 @@ def node_cpus() -> int:
         return os.cpu_count() or 1
 
 
+def bound_cpus(omp_threads_bind: str) -> set[int]:
+    """The CPUs of ``VLLM_CPU_OMP_THREADS_BIND`` ("0-3", "0,2", "0-1|2-3"
+    per rank; "auto" / "nobind": none of them for the engine alone)."""
+    cpus: set[int] = set()
+    for part in omp_threads_bind.replace("|", ",").split(","):
+        lo, _, hi = part.strip().partition("-")
+        if lo.isdigit() and (not hi or hi.isdigit()):
+            cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def default_limit(engine_device: str, omp_threads_bind: str) -> int:
+    """One start per CPU of this daemon, less those bound to a CPU engine's
+    threads: an agent's start on a core the engine computes on stalls the
+    engine's OpenMP threads for all of its running calls (64 reverse_text
+    episodes on 2 cores: 31 of 64 first tries timed out with the engine
+    unbound, none with it on core 0 and the agents on core 1)."""
+    try:
+        mine = os.sched_getaffinity(0)
+    except (AttributeError, OSError):
+        mine = set(range(os.cpu_count() or 1))
+    if engine_device == "cpu":
+        mine = mine - bound_cpus(omp_threads_bind)
+    return max(1, len(mine))
+
+
 class AgentStarts:
     """At most ``limit`` agents starting at once (``limit`` 0: one per CPU)."""
 
@@ -69,4 +95,4 @@ class AgentStarts:
             release()
 
 
-__all__ = ["AgentStarts", "node_cpus"]
+__all__ = ["AgentStarts", "bound_cpus", "default_limit", "node_cpus"]

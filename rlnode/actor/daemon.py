@@ -218,7 +218,9 @@ class ActorDaemon:
         sched = RolloutScheduler(
             self.cubes, {c.id: c.weight for c in cfg.actor.cubes}, [c.id for c in cfg.actor.cubes if c.eval],
             self.client, self.renderer,
-            msgspec.structs.replace(cfg.actor.scheduler, max_lag=effective_max_lag(cfg)),
+            msgspec.structs.replace(cfg.actor.scheduler, max_lag=effective_max_lag(cfg),
+                                    max_starting_agents=cfg.actor.scheduler.max_starting_agents or default_limit(
+                                        cfg.actor.engine.device, cfg.actor.engine.cpu_omp_threads_bind)),
             episode_settings(cfg), self.versions,
             seed=cfg.run.seed, on_eval=self._on_eval, id_prefix=f"{self.node_id}-{self.incarnation}-",
             gateway=self.gateway if self._gateway_needed else None, node_id=self.node_id, incarnation=start,

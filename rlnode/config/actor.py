@@ -30,7 +30,11 @@ class EngineConfig(Section):
     # reserves ~90% of RAM.
     cpu_kv_cache_gib: PositiveInt = 1
     # CPU hosts: OpenMP thread binding (VLLM_CPU_OMP_THREADS_BIND). "nobind"
-    # was ~8x faster than binding on 2-core hosts.
+    # was ~8x faster than binding on 2-core hosts. Where external agents run
+    # on this host too (agent and verifiers cubes), bind the engine to part
+    # of the cores ("0") and the agents start on the rest
+    # (scheduler.max_starting_agents): a program starting on a core the
+    # engine's threads use stalls every call in the engine.
     cpu_omp_threads_bind: str = "nobind"
     # Disable CUDA graphs / torch.compile: faster start, slower decode.
     enforce_eager: bool = False
@@ -159,7 +163,8 @@ class SchedulerConfig(Section):
     max_concurrent_episodes: PositiveInt = 256
     # External agents starting at once on this node (rlnode/actor/agent_starts.py):
     # an agent holds a start slot until its first request reaches the gateway,
-    # and its timeout_s counts from then on. 0 = one per CPU this daemon may use.
+    # and its timeout_s counts from then on. 0 = one per CPU this daemon may use,
+    # less the CPUs a CPU engine's threads are bound to (engine.cpu_omp_threads_bind).
     max_starting_agents: NonNegInt = 0
     # Groups this node asks the trainer credits for, i.e. can run at once;
     # the trainer shares the global budget among actors by this demand.
