@@ -9,6 +9,7 @@ evaluation, prints a table (or one JSON object) and shuts everything down.
 from __future__ import annotations
 
 import asyncio
+import signal
 import sys
 
 import msgspec
@@ -33,6 +34,10 @@ async def run_eval(cfg: Config, cube_ids: list[str], episodes: int | None, show_
     actor_cfg = replace(cfg.actor, cubes=[replace(c, weight=0.0, eval=True) for c in specs],
                         scheduler=replace(cfg.actor.scheduler, eval_share=1.0))
     actor = ActorDaemon(replace(cfg, actor=actor_cfg))
+    # SIGTERM (a job's end, kill) ends the evaluation as Ctrl-C does: the
+    # actor shuts down, its boxes, engines and cache folders with it.
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
     await actor.start()
     try:
         bar = None
@@ -60,6 +65,9 @@ def main_eval(cfg: Config, args) -> int:
         cfg.model.path = args.model
     try:
         results = asyncio.run(run_eval(cfg, args.cube or [], args.episodes, show_progress=not args.json))
+    except asyncio.CancelledError:
+        print("rlnode eval: stopped (SIGTERM)", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except ConfigError as e:
         # A cube refused its options at start (a verifiers environment that
         # cannot be imported, a runtime that cannot run here): the message

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import msgspec
 
+from rlnode.actor.agent_starts import default_limit
 from rlnode.actor.engine import Engine, SamplingSettings, fp32_lm_head_enabled
 from rlnode.actor.episode import ChatRenderer, EpisodeSettings, check_tools_rendered, make_renderer
 from rlnode.actor.gateway import Gateway, HostedGateway
