@@ -5,11 +5,13 @@ importing the daemon that runs them."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Coroutine
+import time
+from typing import Any, Awaitable, Callable, Coroutine, TypeVar
 
 from rlnode.log import get_logger
 
 log = get_logger("rlnode.aio")
+T = TypeVar("T")
 
 
 def run(main: Coroutine[Any, Any, Any]) -> Any:
@@ -36,6 +38,32 @@ async def run_until_stopped(jobs: list[asyncio.Task], stop: asyncio.Event) -> No
         for t in jobs:
             t.cancel()
         await asyncio.gather(*jobs, return_exceptions=True)
+
+
+async def wait_for_charged(aw: Awaitable[T], timeout_s: float, uncharged: Callable[[], float]) -> T:
+    """``asyncio.wait_for(aw, timeout_s)`` on a clock that stops while
+    ``uncharged()`` grows: the deadline is ``timeout_s`` seconds of wall
+    time less ``uncharged()`` (a monotonic count of seconds not to charge).
+    On the deadline ``aw`` is cancelled and awaited and TimeoutError
+    raised; cancelling the caller cancels ``aw`` and waits for it, as
+    ``wait_for`` does."""
+    task = asyncio.ensure_future(aw)
+    t0 = time.monotonic()
+    try:
+        while not task.done():
+            left = timeout_s - (time.monotonic() - t0 - uncharged())
+            if left <= 0:
+                task.cancel()
+                await asyncio.wait({task})
+                if task.cancelled():
+                    raise TimeoutError
+                break
+            await asyncio.wait({task}, timeout=left)
+    except asyncio.CancelledError:
+        task.cancel()
+        await asyncio.wait({task})
+        raise
+    return task.result()
 
 
 def spawn(tasks: set[asyncio.Task], coro) -> asyncio.Task:

@@ -1,16 +1,21 @@
-"""Admission of agent starts (``actor.scheduler.max_starting_agents``,
-rlnode/actor/agent_starts.py): at most N external agents are between their
-admission and their first request to the gateway; the next one starts at
-that request, not when the episode ends; an episode's ``timeout_s`` counts
-from its admission. Real engine and gateway (inline and host process); the
-agents are held and released by the test, never raced against the clock."""
+"""What an agent episode's deadline counts. Admission of agent starts
+(``actor.scheduler.max_starting_agents``, rlnode/actor/agent_starts.py): at
+most N external agents are between their admission and their first request
+to the gateway; the next one starts at that request, not when the episode
+ends; an episode's ``timeout_s`` counts from its admission. And it does not
+count the time the episode's calls wait for a router permit (the node's
+generation capacity). Real engine and gateway (inline and host process); the
+agents and permits are held and released by the test, never raced against
+the clock."""
 
 import asyncio
 import os
+import time
 
 import pytest
 
 from agent_fixtures import one_call
+from agent_tasks import PlainAgentTask
 from conftest import assert_engine_idle
 from rlnode.actor.agent_episode import AgentFailed, run_agent_episode
 from rlnode.actor.agent_starts import AgentStarts, node_cpus
@@ -20,7 +25,6 @@ from rlnode.actor.gateway import make_gateway
 from rlnode.actor.generation import LLMClient
 from rlnode.actor.router import AdmissionRouter
 from rlnode.config import ModelConfig, SchedulerConfig
-from rlnode.cubes.base import AgentTask, CubeTaskRef, Evaluation, Reset, StepResult
 
 pytestmark = pytest.mark.engine
 
@@ -28,30 +32,15 @@ PATIENCE_S = 90.0  # what a working gate gives within seconds
 SETTINGS = EpisodeSettings(SamplingSettings(max_tokens=4), max_turns=2, max_model_len=2048)
 
 
-class HeldAgentTask(AgentTask):
+class HeldAgentTask(PlainAgentTask):
     """An agent that signals ``began``, waits for ``go``, makes one LLM call
     (``called``), then waits for ``end`` (or makes no call at all: ``calls``
     False, it waits for ``go`` and the deadline)."""
 
     def __init__(self, i: int, timeout_s: float = PATIENCE_S, calls: bool = True):
-        self.ref = CubeTaskRef("held", f"t{i}")
-        self.timeout_s, self.calls = timeout_s, calls
+        super().__init__(f"t{i}", timeout_s)
+        self.calls = calls
         self.began, self.go, self.called, self.end = (asyncio.Event() for _ in range(4))
-
-    async def reset(self):
-        return Reset(observation="say hi")
-
-    def tools(self):
-        return []
-
-    async def step(self, action):
-        return StepResult("")
-
-    async def evaluate(self):
-        return Evaluation(reward=1.0, success=True)
-
-    async def close(self):
-        pass
 
     async def run_agent(self, endpoint, task):
         self.began.set()
@@ -62,9 +51,14 @@ class HeldAgentTask(AgentTask):
             await self.end.wait()
 
 
+@pytest.fixture
+def router(request):
+    """The node's router: 16 permits, or the test's (indirect parameter)."""
+    return AdmissionRouter(1, getattr(request, "param", 16))
+
+
 @pytest.fixture(params=["inline", "process"])
-async def gateway(request, engine, tokenizer, tiny_model_dir):
-    router = AdmissionRouter(1, 16)
+async def gateway(request, router, engine, tokenizer, tiny_model_dir):
     gw = make_gateway(request.param, LLMClient([engine], router), ChatRenderer(tokenizer),
                       ModelConfig(path=str(tiny_model_dir)), SETTINGS, "rlnode")
     await engine.generate(tokenizer.encode("hi"), SamplingSettings(max_tokens=4))  # the first call's compile
@@ -135,6 +129,62 @@ async def test_the_deadline_counts_from_admission_not_from_the_wait(gateway):
     assert result.reward == 1.0 and len(result.samples) == 1
     assert result.phases["start_wait_s"] >= timeout_s * 0.99  # behind the whole of the first one's deadline
     assert starts.starting == starts.waiting == 0
+
+
+@pytest.mark.parametrize("router", [1], indirect=True, ids=["one_permit"])
+async def test_a_call_waiting_for_a_router_permit_does_not_spend_the_deadline(gateway, router):
+    """The node's one permit is held (by the test) for longer than the
+    episode's timeout_s while the agent's call waits for it: the episode
+    still succeeds; its own time is its start and the call in the engine."""
+    timeout_s = 6.0
+    task = HeldAgentTask(0, timeout_s)
+    task.go.set()
+    task.end.set()
+    held = await router.acquire()
+    episode = asyncio.create_task(run_agent_episode(gateway, task, SETTINGS, "g0/e0", "g0"))
+    try:
+        await until(lambda: router.waiting == 1, "the agent's call waiting for the permit")
+        (s,) = gateway.sessions.values()
+        await until(lambda: s.queue_time() > timeout_s, "a wait longer than the deadline")
+        assert not episode.done()
+        router.release(held)
+        result = await asyncio.wait_for(episode, PATIENCE_S)
+    finally:
+        router.release(held)
+        episode.cancel()
+        await asyncio.gather(episode, return_exceptions=True)
+    assert result.reward == 1.0 and len(result.samples) == 1
+    assert result.samples[0].lease.lease_wait_s > timeout_s
+
+
+async def test_the_deadline_clock_stops_only_while_it_is_told_to():
+    """``aio.wait_for_charged``: uncharged time extends the deadline; with
+    none it is ``wait_for``'s (the awaitable cancelled, TimeoutError); a
+    cancelled caller cancels the awaitable."""
+    from rlnode.aio import wait_for_charged
+
+    t0 = time.monotonic()
+    ev = asyncio.Event()
+    asyncio.get_running_loop().call_later(0.3, ev.set)
+    assert await wait_for_charged(ev.wait(), 0.05, lambda: time.monotonic() - t0) is True  # never charged
+    gone = asyncio.Event()
+
+    async def forever():
+        try:
+            await asyncio.Event().wait()
+        finally:
+            gone.set()
+
+    with pytest.raises(TimeoutError):
+        await wait_for_charged(forever(), 0.05, lambda: 0.0)
+    assert gone.is_set()
+    gone.clear()
+    outer = asyncio.create_task(wait_for_charged(forever(), 60, lambda: 0.0))
+    await asyncio.sleep(0.05)
+    outer.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await outer
+    assert gone.is_set()
 
 
 def test_the_default_is_one_start_per_cpu_of_the_daemon():

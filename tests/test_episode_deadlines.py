@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from agent_fixtures import one_call
+from agent_tasks import PlainAgentTask
 from conftest import assert_engine_idle
 from rlnode.actor.agent_episode import run_agent_episode
 from rlnode.actor.engine import SamplingSettings
@@ -21,7 +22,7 @@ from rlnode.actor.generation import LLMClient
 from rlnode.actor.router import AdmissionRouter
 from rlnode.actor.scheduler import RolloutScheduler, VersionSource
 from rlnode.config import ModelConfig, SchedulerConfig
-from rlnode.cubes.base import AgentTask, CubeTaskRef, Evaluation, Reset, StepResult, run_blocking
+from rlnode.cubes.base import CubeTaskRef, run_blocking
 from rlnode.cubes.guessing import GuessingCube, GuessingOptions, GuessingTask
 
 pytestmark = pytest.mark.engine
@@ -145,7 +146,7 @@ async def test_a_hanging_cube_call_fails_its_episode_and_the_others_go_on(hang, 
     await assert_engine_idle(engine)
 
 
-class HangingAgentTask(AgentTask):
+class HangingAgentTask(PlainAgentTask):
     """An agent task whose agent makes one LLM call and whose ``hang``
     (reset or evaluate: an LLM judge that never answers) never returns.
     ``timeout_s`` bounds the agent's run too, so the agent's one call would
@@ -155,31 +156,20 @@ class HangingAgentTask(AgentTask):
     (before evaluate) has the test's patience instead."""
 
     def __init__(self, hang: str):
-        self.ref = CubeTaskRef("agent", "t0")
-        self.hang = hang
-        self.closed = 0
         # reset hangs before the agent runs: 3 s from the start; evaluate
         # hangs after it: 3 s once the agent is done (run_agent sets it).
-        self.timeout_s = 3.0 if hang == "reset" else PATIENCE_S
+        super().__init__(timeout_s=3.0 if hang == "reset" else PATIENCE_S)
+        self.hang = hang
 
     async def reset(self):
         if self.hang == "reset":
             await asyncio.Event().wait()
-        return Reset(observation="say hi")
-
-    def tools(self):
-        return []
-
-    async def step(self, action):
-        return StepResult("")
+        return await super().reset()
 
     async def evaluate(self):
         if self.hang == "evaluate":
             await asyncio.Event().wait()
-        return Evaluation(reward=1.0, success=True)
-
-    async def close(self):
-        self.closed += 1
+        return await super().evaluate()
 
     async def run_agent(self, endpoint, task):
         await one_call(endpoint.base_url, endpoint.api_key)

@@ -9,7 +9,10 @@ awaits the agent, and turns the calls the gateway served into
 evaluate and close each run under the task's ``timeout_s``
 (``episode.cube_call``): past it the episode fails (retried, then counted).
 The agent's run is admitted first (``agent_starts``: a few agents starting
-at a time); its ``timeout_s`` counts from its admission.
+at a time); its ``timeout_s`` counts from its admission, less the time its
+LLM calls wait for a router permit (``actor.router.llm_max_rollouts``: the
+node's generation capacity). Time in the engine counts: a stuck engine
+still ends the episode.
 
 Reward (``AgentTask.reward_source``): by default the task's evaluator, and
 nothing the agent returns or posts counts (the policy writes the agent's
@@ -39,6 +42,7 @@ from rlnode.actor.episode import (
     EpisodeResult, EpisodeSettings, check_reward, close_task, cube_call, training_sample,
 )
 from rlnode.actor.gateway import Gateway, GatewayHostLost, GatewaySession
+from rlnode.aio import wait_for_charged
 from rlnode.cubes.base import AgentError, AgentTask, CubeError
 from rlnode.log import get_logger
 from rlnode.wire import TrainingSample
@@ -107,7 +111,10 @@ async def _contained(agent: Awaitable[float | None]) -> float | None:
 
 async def _drive(task: AgentTask, s: GatewaySession, payload: dict) -> float | None:
     try:
-        return await asyncio.wait_for(s.guard(_contained(task.run_agent(s.endpoint, payload))), task.timeout_s)
+        # The clock stops while a call of the episode waits for a router
+        # permit: the node's generation capacity is not the agent's time.
+        return await wait_for_charged(s.guard(_contained(task.run_agent(s.endpoint, payload))), task.timeout_s,
+                                      s.queue_time)
     except asyncio.TimeoutError:
         await s.settle()
         if s.terminated:

@@ -35,10 +35,14 @@ class LLMClient:
         sampling: SamplingSettings,
         affinity: int | None = None,
         on_tokens: Callable[[Sequence[int]], None] | None = None,
+        on_admitted: Callable[[], None] | None = None,
     ) -> Generation:
         """``affinity``: the engine this episode used last (prefix reuse);
-        ``on_tokens``: streaming callback (see ``Engine.generate``)."""
+        ``on_tokens``: streaming callback (see ``Engine.generate``);
+        ``on_admitted``: called once the router granted the permit."""
         async with self.router.lease(affinity) as lease:
+            if on_admitted is not None:
+                on_admitted()
             completion = await self.engines[lease.engine_id].generate(prompt_token_ids, sampling,
                                                                       on_tokens=on_tokens)
             lease.record(len(prompt_token_ids), len(completion.token_ids))

@@ -91,7 +91,11 @@ class EngineConfig(Section):
 
 class RouterConfig(Section):
     # Concurrent generations per engine. One lease = one LLM call, so an
-    # episode holds a permit only while its request is in the engine.
+    # episode holds a permit only while its request is in the engine. An
+    # external agent's deadline (its cube's timeout_s) does not count the
+    # time its calls wait for a permit, so a node with more episodes than
+    # its engine serves in time lowers this instead of failing them: each
+    # call then finishes sooner, the others wait their turn.
     llm_max_rollouts: PositiveInt = 64
     # Prefer the engine an episode used last (prefix-cache reuse) while that
     # engine has a free permit; otherwise least-loaded engine first.

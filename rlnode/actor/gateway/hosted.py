@@ -525,7 +525,7 @@ class HostedGateway:
                     send(Tokens(m.call_id, list(ids[sent:])))
                     sent = len(ids)
         try:
-            gen = await self.client.generate(m.prompt, sampling, affinity=s._engine, on_tokens=on_tokens)
+            gen = await s.generate(self.client, m.prompt, sampling, on_tokens)
         except EngineError as e:
             send(CallFailed(m.call_id, 503, f"engine failed: {e}", "engine_error", error_type="server_error"))
             return

@@ -295,7 +295,7 @@ class Gateway:
         episode aborts it. ``step``, ``reset``, ``agent_seed``: the call as
         the agent asked for it (the gateway host sends them to the daemon,
         ``host.py``; here ``sampling`` already holds them)."""
-        task = asyncio.ensure_future(self.client.generate(prompt, sampling, affinity=s._engine, on_tokens=on_tokens))
+        task = asyncio.ensure_future(s.generate(self.client, prompt, sampling, on_tokens))
         s._inflight.add(task)
         try:
             gen = await task

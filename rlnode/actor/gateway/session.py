@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import secrets
+import time
 from typing import Any, Awaitable, Callable, NamedTuple, TypeVar
 
 import msgspec
@@ -116,6 +117,11 @@ class GatewaySession:
         # Set at the agent's first request (a model or env call): its start
         # is over (agent_starts.AgentStarts releases its slot).
         self.agent_up = asyncio.Event()
+        # Time some call of this episode waited for a router permit: the
+        # node's generation capacity, not the agent's doing (queue_time).
+        self._queued = 0
+        self._queued_since = 0.0
+        self._queued_s = 0.0
 
     @property
     def endpoint(self) -> AgentEndpoint:
@@ -197,6 +203,39 @@ class GatewaySession:
         if self._undo is not None and self._undo[0] == step:
             self._undo = None
         return forgot
+
+    # -- the node's queue ----------------------------------------------------
+
+    def queue_time(self) -> float:
+        """Seconds so far during which some call of this episode waited for
+        a router permit (actor.router.llm_max_rollouts): the episode's
+        deadline does not count them (agent_episode)."""
+        return self._queued_s + (time.monotonic() - self._queued_since if self._queued else 0.0)
+
+    def _queue(self, delta: int) -> None:
+        if delta > 0 and not self._queued:
+            self._queued_since = time.monotonic()
+        self._queued += delta
+        if delta < 0 and not self._queued:
+            self._queued_s += time.monotonic() - self._queued_since
+
+    async def generate(self, client, prompt: list[int], sampling, on_tokens=None):
+        """``client.generate`` for a call of this episode, its wait for a
+        permit counted in ``queue_time``."""
+        admitted = False
+
+        def on_admitted() -> None:
+            nonlocal admitted
+            admitted = True
+            self._queue(-1)
+
+        self._queue(+1)
+        try:
+            return await client.generate(prompt, sampling, affinity=self._engine, on_tokens=on_tokens,
+                                         on_admitted=on_admitted)
+        finally:
+            if not admitted:
+                self._queue(-1)
 
     async def settle(self) -> None:
         """Wait until every decision the gateway took for this episode
