@@ -132,7 +132,10 @@ class ScriptedPolicy:
         self.tok, self.texts = tokenizer, list(texts)
         self.prompts: list[list[int]] = []
 
-    async def generate(self, prompt_token_ids, sampling, affinity=None, on_tokens=None) -> Generation:
+    async def generate(self, prompt_token_ids, sampling, affinity=None, on_tokens=None,
+                       on_admitted=None) -> Generation:
+        if on_admitted is not None:  # no router: admitted at once
+            on_admitted()
         self.prompts.append(list(prompt_token_ids))
         ids = self.tok.encode(self.texts.pop(0), add_special_tokens=False) + [self.tok.eos_token_id]
         if on_tokens is not None:
