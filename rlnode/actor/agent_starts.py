@@ -24,13 +24,17 @@ import os
 from typing import AsyncIterator
 
 
-def node_cpus() -> int:
+def daemon_cpus() -> set[int]:
     """The CPUs this process may run on (a unit's CPUAffinity, a cgroup's
     cpuset as the kernel applies it to the affinity mask)."""
     try:
-        return len(os.sched_getaffinity(0)) or 1
+        return os.sched_getaffinity(0) or {0}
     except (AttributeError, OSError):
-        return os.cpu_count() or 1
+        return set(range(os.cpu_count() or 1))
+
+
+def node_cpus() -> int:
+    return len(daemon_cpus())
 
 
 def bound_cpus(omp_threads_bind: str) -> set[int]:
@@ -50,10 +54,7 @@ def default_limit(engine_device: str, omp_threads_bind: str) -> int:
     engine's OpenMP threads for all of its running calls (64 reverse_text
     episodes on 2 cores: 31 of 64 first tries timed out with the engine
     unbound, none with it on core 0 and the agents on core 1)."""
-    try:
-        mine = os.sched_getaffinity(0)
-    except (AttributeError, OSError):
-        mine = set(range(os.cpu_count() or 1))
+    mine = daemon_cpus()
     if engine_device == "cpu":
         mine = mine - bound_cpus(omp_threads_bind)
     return max(1, len(mine))
@@ -95,4 +96,4 @@ class AgentStarts:
             release()
 
 
-__all__ = ["AgentStarts", "bound_cpus", "default_limit", "node_cpus"]
+__all__ = ["AgentStarts", "bound_cpus", "daemon_cpus", "default_limit", "node_cpus"]
