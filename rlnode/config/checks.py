@@ -119,6 +119,12 @@ def _check_lora(cfg: Config) -> None:
 
 def _check_attention(t: TrainerConfig) -> None:
     # flash_attn and cuda are checked at start (learner.attention_implementation).
+    if t.attention == "varlen" and t.precision == "fp32" and t.device == "cuda":
+        raise ConfigError(
+            'trainer.attention: "varlen" on cuda runs PyTorch\'s FlashAttention kernel, which takes fp16/bf16 '
+            'only, but trainer.precision = "fp32" computes in fp32; set trainer.precision = "bf16-mixed", or '
+            'trainer.attention = "sdpa"'
+        )
     if t.attention != "flash_attention_2":
         return
     if t.precision == "fp32":

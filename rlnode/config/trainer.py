@@ -283,7 +283,7 @@ class TrainerConfig(Section):
     micro_batch_size: PositiveInt = 64
     # Token budget of one micro-batch: forward rows (packed episodes) are
     # split into micro-batches of at most this many tokens: one concatenated
-    # sequence under flash_attention_2 (varlen kernel, no padding); rows of
+    # sequence under a varlen kernel (varlen, flash_attention_2: no padding); rows of
     # similar length right-padded, rows x longest <= this, padding < half,
     # no mask, under sdpa/eager. 0 = split by micro_batch_size samples
     # instead. A row longer than the budget gets a micro-batch of its own.
@@ -299,12 +299,15 @@ class TrainerConfig(Section):
     # optimizer state in bf16 (half the memory; an update below bf16
     # resolution, e.g. lr 1e-6, is lost: the weights do not move).
     precision: Literal["fp32", "bf16-mixed", "bf16"] = "fp32"
-    # Trainer attention kernel. "auto": flash_attention_2 on cuda when the
-    # flash_attn package imports and compute is bf16 ("bf16", "bf16-mixed"),
-    # else sdpa. "flash_attention_2" is refused with precision "fp32" (FA2
-    # takes fp16/bf16 only), on cpu, or (at start) without flash_attn: it has
-    # no PyPI wheels, install it on the GPU host. "eager": reference kernel.
-    attention: Literal["auto", "flash_attention_2", "sdpa", "eager"] = "auto"
+    # Trainer attention kernel. "auto": on cuda with bf16 compute ("bf16",
+    # "bf16-mixed") flash_attention_2 when the flash_attn package imports,
+    # else "varlen"; elsewhere sdpa. "varlen": PyTorch's own variable-length
+    # kernel (torch.nn.attention.varlen, no extra wheel; on cpu causal SDPA
+    # per row), micro-batches packed like flash_attention_2's; on cuda it
+    # takes bf16 compute. "flash_attention_2" is refused with precision
+    # "fp32" (FA2 takes fp16/bf16 only), on cpu, or (at start) without
+    # flash_attn: it has no PyPI wheels. "eager": reference kernel.
+    attention: Literal["auto", "varlen", "flash_attention_2", "sdpa", "eager"] = "auto"
     # Recompute each decoder layer's activations in backward instead of
     # keeping them (less memory, ~30% more compute).
     activation_checkpointing: bool = False

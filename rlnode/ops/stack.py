@@ -245,13 +245,14 @@ def check_attention(cfg: Config, role: str, gpus: int) -> list[Finding]:
     low = t.precision in ("bf16", "bf16-mixed")
     if t.attention == "flash_attention_2" and not has_fa:
         return [Finding(FAIL, "attention", 'trainer.attention = "flash_attention_2" but flash_attn is not installed '
-                        "(no PyPI wheels: build it for this torch/CUDA, or use \"auto\")")]
-    if has_fa and low:
+                        "(no PyPI wheels: build it for this torch/CUDA, or use \"auto\": PyTorch's own varlen kernel)")]
+    if low and (t.attention == "flash_attention_2" or (t.attention == "auto" and has_fa)):
         return [Finding(OK, "attention", "flash_attention_2: micro-batches packed into varlen rows")]
-    why = "flash_attn is not installed" if not has_fa else f'trainer.precision = "{t.precision}" computes in fp32'
-    return [Finding(OK if not low else WARN, "attention",
-                    f"sdpa ({why}): micro-batches of right-padded rows bucketed by length, no mask"
-                    + ("; install flash-attn for varlen packing" if low and not has_fa else ""))]
+    if low:
+        return [Finding(OK, "attention", "varlen (PyTorch's FlashAttention kernel, torch.nn.attention.varlen): "
+                        "micro-batches packed into one sequence per micro-batch, no padding")]
+    return [Finding(OK, "attention", f'sdpa (trainer.precision = "{t.precision}" computes in fp32): micro-batches '
+                    "of right-padded rows bucketed by length, no mask")]
 
 
 def check_stack(cfg: Config, role: str, gpus: int, here: bool = True,

@@ -17,7 +17,8 @@ log-probs and entropy are computed ``logprob_chunk_tokens`` at a time
 (scoring.py: no [tokens, vocab] tensor); with ``micro_batch_tokens`` the
 forward rows split into token-budget micro-batches, laid out for the
 attention kernel (``trainer.attention``, scoring.py): ONE concatenated
-sequence per micro-batch for the flash_attention_2 varlen kernel, else
+sequence per micro-batch for a varlen kernel (flash_attention_2, or
+PyTorch's own: attention.py), else
 right-padded rows of similar length with no mask (never an [S, S] one);
 ``activation_checkpointing`` recomputes decoder layers in backward. On
 cuda the memory plan (memory_plan.py) is checked before the model loads.
@@ -37,6 +38,7 @@ import numpy as np
 import torch
 
 from rlnode.config import Config, ConfigError
+from rlnode.trainer import attention as varlen_attention
 from rlnode.trainer.buffer import Batch
 from rlnode.trainer.loss import LossInputs, mismatch_figures, policy_loss
 from rlnode.trainer.memory_plan import check_learner_memory, resolve_adamw_impl
@@ -146,17 +148,25 @@ COMPUTE_DTYPE = {"fp32": torch.float32, "bf16-mixed": torch.bfloat16, "bf16": to
 
 def attention_implementation(choice: str, device: torch.device, precision: str) -> str:
     """The transformers attn_implementation for trainer.attention =
-    ``choice``. "auto": flash_attention_2 only where it can run (cuda,
-    flash_attn importable, fp16/bf16 compute: FA2 raises on fp32 inputs at
-    the first forward), else sdpa. An explicit flash_attention_2 that
-    cannot run is a ConfigError naming the key (load_config refused fp32
-    and a cpu device already; the device may be "auto")."""
+    ``choice``. "auto" on cuda with fp16/bf16 compute: flash_attention_2
+    where the flash_attn package imports, else PyTorch's own varlen kernel
+    (attention.py); elsewhere sdpa. An explicit kernel that cannot run is a
+    ConfigError naming the key (load_config refused what it could see
+    already; the device may be "auto")."""
     import importlib.util
 
     low_precision = COMPUTE_DTYPE[precision] in (torch.float16, torch.bfloat16)
     has_fa = importlib.util.find_spec("flash_attn") is not None
     if choice == "auto":
-        return "flash_attention_2" if device.type == "cuda" and has_fa and low_precision else "sdpa"
+        if device.type == "cuda" and low_precision:
+            return "flash_attention_2" if has_fa else varlen_attention.register()
+        return "sdpa"
+    if choice == "varlen":
+        if device.type == "cuda" and not low_precision:
+            raise ConfigError(f'trainer.attention: "varlen" on cuda runs PyTorch\'s FlashAttention kernel, which takes '
+                              f'fp16/bf16 only, but trainer.precision = "{precision}" computes in fp32: set '
+                              'trainer.precision = "bf16-mixed", or trainer.attention = "sdpa"')
+        return varlen_attention.register()
     if choice == "flash_attention_2":
         if not low_precision:
             raise ConfigError(f'trainer.attention: "flash_attention_2" takes only fp16/bf16 inputs, but '
@@ -166,8 +176,13 @@ def attention_implementation(choice: str, device: torch.device, precision: str) 
         if not has_fa:
             raise ConfigError('trainer.attention: "flash_attention_2" needs the flash_attn package, which is not '
                               'installed (no PyPI wheels: build or install it on this host), or set '
-                              'trainer.attention = "auto" or "sdpa"')
+                              'trainer.attention = "auto" (PyTorch\'s own varlen kernel on cuda) or "varlen"')
     return choice
+
+
+def is_varlen(attn_impl: str) -> bool:
+    """Kernels that take one packed sequence with cumulative row lengths."""
+    return attn_impl.startswith("flash_attention") or attn_impl == varlen_attention.VARLEN
 
 
 class Learner:
@@ -192,7 +207,7 @@ class Learner:
         self.attn_impl = attention_implementation(t.attention, self.device, t.precision)
         # One concatenated sequence per token-budget micro-batch only for a
         # varlen kernel; any other gets padded rows (scoring.py: layouts).
-        self.varlen = self.attn_impl.startswith("flash_attention")
+        self.varlen = is_varlen(self.attn_impl)
         # Before any weight is on the device: a config that cannot fit is
         # refused with its numbers instead of running out of memory later.
         ranks = torch.distributed.get_world_size() if shard is not None and torch.distributed.is_initialized() else 1
@@ -283,11 +298,11 @@ class Learner:
         gradient only when ``entropy_grad``: it is a metric otherwise), all
         in one forward. ``rows``: the forward rows (spans index
         ``samples``); default ``forward_rows(samples)``. With
-        micro_batch_tokens > 0 and a varlen kernel the rows are concatenated
-        into one sequence, else right-padded with no mask."""
+        a varlen kernel the rows are concatenated into one sequence, else
+        right-padded with no mask."""
         rows = self.forward_rows(samples) if rows is None else rows
         t = self.cfg.trainer
-        if t.micro_batch_tokens > 0 and self.varlen:
+        if self.varlen:
             inp = packed_inputs(rows, self.device, self.attn_impl)
         else:
             inp = padded_inputs(rows, self.device)
@@ -409,7 +424,7 @@ class Learner:
     def _layout_figures(self, mbs) -> dict[str, float]:
         """Tokens through the decoder (padding included) and passes: what
         the micro-batch layout cost this step."""
-        packed = self.cfg.trainer.micro_batch_tokens > 0 and self.varlen
+        packed = self.varlen
         forward = sum(mb.tokens if packed else mb.padded_tokens for mb in mbs)
         pad = float(forward - sum(mb.tokens for mb in mbs))
         return {"micro_batches": float(len(mbs)), "forward_tokens": float(forward), "pad_tokens": pad,

@@ -6,7 +6,7 @@ rows into micro-batches and one micro-batch into decoder inputs. No model
 loading, optimizer or loss: the Learner calls these.
 
 Two layouts of a token-budget micro-batch, by attention kernel:
-  varlen (flash_attention_2): rows bin-packed and concatenated into ONE
+  varlen (flash_attention_2, PyTorch's varlen: attention.py): rows bin-packed and concatenated into ONE
     sequence [1, S] with cumulative row lengths; no padding, no mask.
   padded (sdpa, eager): rows of similar length right-padded to [R, L],
     R * L <= budget, and NO attention mask. Causal attention alone is exact
@@ -233,11 +233,13 @@ def packed_inputs(rows: list[PackedRow], device: torch.device, attn_impl: str) -
     lengths, no padding, for a varlen kernel (flash_attention_*): it takes
     the cumulative row lengths (cu_seq_lens, max_length), computed here
     once instead of per layer, and keeps attention inside each row with no
-    mask. ``position_ids`` restart at 0 for each row. Any other kernel
+    mask (flash_attention_*, or PyTorch's own: attention.py). ``position_ids`` restart at 0 for each row. Any other kernel
     would get a block-diagonal [1, 1, S, S] mask from transformers
     (masking_utils.find_packed_sequence_indices) and full S x S attention:
     refused (use ``padded_inputs``)."""
-    if not attn_impl.startswith("flash_attention"):
+    from rlnode.trainer.attention import VARLEN
+
+    if not (attn_impl.startswith("flash_attention") or attn_impl == VARLEN):
         raise ValueError(f"packed_inputs needs a varlen attention kernel, got {attn_impl!r}: use padded_inputs")
     lens = [len(r.tokens) for r in rows]
     ids = torch.from_numpy(np.concatenate([r.tokens for r in rows]).astype("int64")).to(device)  # [S]

@@ -116,7 +116,7 @@ class SftTrainer:
         """sum over the rows' assistant tokens of -log p_theta(x_t | x_<t),
         a scalar carrying its graph."""
         lrn, t = self.learner, self.cfg.trainer
-        if t.micro_batch_tokens > 0 and lrn.varlen:
+        if lrn.varlen:
             inp = packed_inputs(rows, lrn.device, lrn.attn_impl)
         else:
             inp = padded_inputs(rows, lrn.device)

@@ -1,0 +1,94 @@
+"""Issue 49's trainer switches on the tiny model, on CPU: PyTorch's own
+packed varlen attention, checkpointing from the memory plan, the compiled
+decoder layer. Each gives the reference path's log-probs and gradients."""
+
+import inspect
+
+import pytest
+import torch
+
+from rlnode.config import ConfigError, load_config
+from rlnode.trainer import attention
+from rlnode.trainer.learner import Learner, attention_implementation
+from test_learner import make_sample
+from test_learner_scale import assert_same_grads, grads_after_step, learner, step_batch
+
+
+def test_varlen_attention_packs_rows_into_one_sequence_and_matches_padded_sdpa(tiny_model_dir, hf_model):
+    """A packed micro-batch (one [1, S] sequence, positions restarting per
+    row, attention kept inside each row) scores and trains exactly like
+    right-padded rows under sdpa, in fp32."""
+    batch = step_batch(hf_model)
+    common = ["trainer.optim.lr=1e-3", "trainer.loss.entropy_coef=0.01", "trainer.micro_batch_tokens=26"]
+    ref = learner(tiny_model_dir, *common, 'trainer.attention="sdpa"')
+    var = learner(tiny_model_dir, *common, 'trainer.attention="varlen"')
+    assert var.attn_impl == attention.VARLEN and var.varlen and not ref.varlen
+    # First-fit decreasing into one sequence per micro-batch: [40], [18, 5], [5, 5, 5].
+    assert [[len(r.tokens) for r in mb.rows] for mb in var.micro_batches(batch.samples)] == [[40], [18, 5], [5, 5, 5]]
+    calls = []
+    real = attention._per_row
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(attention, "_per_row", lambda q, k, v, cu, s: calls.append(cu.tolist()) or real(q, k, v, cu, s))
+        with torch.no_grad():
+            a = ref.token_logprobs(ref.model, batch.samples)
+            b = var.token_logprobs(var.model, batch.samples, rows=var.forward_rows(batch.samples))
+    # Every decoder layer got the one packed sequence with its row boundaries.
+    layers = var.model.config.num_hidden_layers
+    assert len(calls) == layers and all(c == calls[0] for c in calls)
+    assert sorted(b - a for a, b in zip(calls[0], calls[0][1:])) == [5, 5, 5, 5, 18, 40]
+    assert (a.logprobs - b.logprobs).abs().max() < 1e-5 and (a.entropy - b.entropy).abs().max() < 1e-5
+    m_ref, g_ref = grads_after_step(ref, batch)
+    m_var, g_var = grads_after_step(var, batch)
+    assert m_var.extra["pad_tokens"] == 0 and m_var.extra["forward_tokens"] == 78 and m_var.extra["micro_batches"] == 3
+    assert abs(m_ref.loss - m_var.loss) < 1e-6
+    assert_same_grads(g_ref, g_var, 1e-5)
+
+
+def test_varlen_attention_without_a_token_budget_still_packs(tiny_model_dir, hf_model):
+    """micro_batch_size micro-batches run packed too: the kernel takes no
+    padded batch."""
+    batch = step_batch(hf_model)
+    ref = learner(tiny_model_dir, 'trainer.attention="sdpa"', "trainer.micro_batch_size=4")
+    var = learner(tiny_model_dir, 'trainer.attention="varlen"', "trainer.micro_batch_size=4")
+    m_ref, g_ref = grads_after_step(ref, batch)
+    m_var, g_var = grads_after_step(var, batch)
+    assert m_var.extra["pad_tokens"] == 0 and m_ref.extra["pad_tokens"] > 0
+    assert_same_grads(g_ref, g_var, 1e-5)
+
+
+def test_the_cuda_kernel_is_called_causal_by_this_torchs_signature():
+    """The contract with torch.nn.attention.varlen.varlen_attn (cuda only):
+    causal through window_size=(-1, 0) (torch 2.11+) or is_causal (2.9,
+    2.10), GQA where the signature has it; anything else is refused naming
+    the key."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = inspect.signature(varlen_attn).parameters
+    for name in ("query", "key", "value", "cu_seq_q", "cu_seq_k", "max_q", "max_k", "scale"):
+        assert name in params
+    kwargs = attention._cuda_varlen_kwargs(varlen_attn)
+    assert kwargs.get("window_size") == (-1, 0) or kwargs.get("is_causal") is True
+    assert set(kwargs) <= set(params)
+
+    def old(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, is_causal=False, scale=None):
+        pass
+
+    def neither(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None):
+        pass
+
+    assert attention._cuda_varlen_kwargs(old) == {"is_causal": True}
+    with pytest.raises(RuntimeError, match='trainer.attention = "sdpa"'):
+        attention._cuda_varlen_kwargs(neither)
+
+
+def test_which_kernel_each_choice_gets():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert attention_implementation("auto", cpu, "fp32") == "sdpa"
+    assert attention_implementation("auto", cuda, "fp32") == "sdpa"
+    # No flash_attn wheel here: PyTorch's own kernel.
+    assert attention_implementation("auto", cuda, "bf16-mixed") == attention.VARLEN
+    assert attention_implementation("varlen", cpu, "fp32") == attention.VARLEN
+    with pytest.raises(ConfigError, match='trainer.attention: "varlen" on cuda .* trainer.precision = "bf16-mixed"'):
+        attention_implementation("varlen", cuda, "fp32")
+    with pytest.raises(ConfigError, match='trainer.attention: "varlen" on cuda'):
+        load_config(None, ['trainer.device="cuda"', 'trainer.attention="varlen"', 'trainer.precision="fp32"'])
