@@ -159,6 +159,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--tokens-per-step", type=int, default=4096,
                        help="trainer: prompt + completion tokens per optimizer step (default 4096)")
     bench.add_argument("--prompt-tokens", type=int, default=512, help="trainer: prompt tokens per sample (default 512)")
+    bench.add_argument("--switches", action="store_true",
+                       help="trainer: also run the config with one switch changed at a time (checkpointing, "
+                       "compile, attention, head precision)")
+    bench.add_argument("--no-largest", action="store_true",
+                       help="trainer: skip the search for the largest micro-batch that fits (cuda)")
     bench.add_argument("--completion-tokens", type=int, default=1536,
                        help="trainer: completion tokens per sample (default 1536)")
     bench.add_argument("--backend", choices=("gloo", "nccl", "cuda_ipc"),

@@ -39,7 +39,9 @@ BASE_4B = ('trainer.precision="bf16-mixed"', 'trainer.optim.adamw_impl="foreach"
 
 
 def config(*sets):
-    return load_config(None, ["model.max_model_len=2048", "actor.sampling.max_tokens=1536", *sets])
+    # Checkpointing off unless a test sets it (the plan's terms as measured).
+    return load_config(None, ["model.max_model_len=2048", "actor.sampling.max_tokens=1536",
+                              "trainer.activation_checkpointing=false", *sets])
 
 
 def plan4b(*sets, device=H100_FREE):
@@ -275,3 +277,29 @@ def test_the_adapter_parameter_count_is_what_peft_trains(tmp_path):
 def test_the_plan_module_imports_without_torch():
     code = "import sys, rlnode.trainer.memory_plan; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_auto_checkpointing_recomputes_the_fewest_layers_that_fit():
+    """trainer.activation_checkpointing = "auto": none where the step fits
+    as is, every layer where only that fits, else the fewest layers with
+    which the plan (reserve included) fits, and one fewer does not."""
+    shape = ModelShape.from_config(QWEN3_1_7B)
+    sets = ('trainer.precision="bf16-mixed"', "trainer.micro_batch_tokens=16384", "model.max_model_len=2048")
+
+    def plan(choice, free):
+        return plan_for_config(config(*sets, f"trainer.activation_checkpointing={choice}"), free, shape=shape)
+
+    none, every = plan("false", 200 * GiB), plan("true", 200 * GiB)
+    assert none.checkpoint_layers == 0 and every.checkpoint_layers == 28 and every.peak < none.peak
+    assert plan('"auto"', 200 * GiB).checkpoint_layers == 0  # everything fits: nothing recomputed
+    # Between the two: on a GPU where all-checkpointed fits and none does not.
+    free = (none.total + every.total) // 2
+    auto = plan('"auto"', free)
+    c = auto.checkpoint_layers
+    assert 0 < c < 28 and auto.verdict == "fits" and f"{c} of 28 layers checkpointed" in auto.describe()
+    from rlnode.trainer.memory_plan import _fits, knobs_for_config as knobs
+    k = knobs(config(*sets))
+    assert _fits(shape, k, free, ckpt_layers=c) and not _fits(shape, k, free, ckpt_layers=c - 1)
+    # Where not even every layer fits, auto checkpoints all and says what else to change.
+    tight = plan('"auto"', every.total - GiB)
+    assert tight.checkpoint_layers == 28 and tight.verdict == "does_not_fit" and tight.advice

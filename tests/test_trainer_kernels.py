@@ -92,3 +92,93 @@ def test_which_kernel_each_choice_gets():
         attention_implementation("varlen", cuda, "fp32")
     with pytest.raises(ConfigError, match='trainer.attention: "varlen" on cuda'):
         load_config(None, ['trainer.device="cuda"', 'trainer.attention="varlen"', 'trainer.precision="fp32"'])
+
+
+def test_auto_checkpointing_recomputes_the_layers_the_plan_chose(tiny_model_dir, hf_model, monkeypatch):
+    """The learner checkpoints exactly the plan's checkpoint_layers (the
+    plan itself is cuda-only: tests/test_memory_plan.py), and the gradients
+    are those of no checkpointing."""
+    import rlnode.trainer.learner as learner_mod
+    from rlnode.trainer.learner import decoder_layers
+
+    batch = step_batch(hf_model)
+    _, ref = grads_after_step(learner(tiny_model_dir, "trainer.activation_checkpointing=false"), batch)
+    assert learner(tiny_model_dir).checkpoint_layers == 0  # "auto" on cpu: no plan, nothing recomputed
+
+    class Plan:
+        checkpoint_layers = 1
+
+    monkeypatch.setattr(learner_mod, "check_learner_memory", lambda *a: Plan())
+    lrn = learner(tiny_model_dir, 'trainer.activation_checkpointing="auto"')
+    assert lrn.checkpoint_layers == 1
+    assert [layer.gradient_checkpointing for layer in decoder_layers(lrn.model)] == [True, False]
+    recomputed = []
+    for i, layer in enumerate(decoder_layers(lrn.model)):
+        # A pre-hook: the recompute stops once it has what backward needs
+        # (checkpoint's early stop), before any forward hook would run.
+        layer.register_forward_pre_hook(lambda mod, args, i=i: recomputed.append(i))
+    _, got = grads_after_step(lrn, batch)
+    # Layer 0 ran twice per micro-batch (forward, recompute in backward), layer 1 once.
+    assert recomputed.count(0) == 2 * recomputed.count(1) > 0
+    assert_same_grads(ref, got, 1e-5)
+
+
+def test_compiled_decoder_layers_give_the_eager_gradients(tiny_model_dir, hf_model):
+    """trainer.compile = true: every decoder layer under torch.compile
+    (Inductor, cpu here), over micro-batches of different shapes; the same
+    log-probs and gradients as eager in fp32."""
+    batch = step_batch(hf_model)
+    common = ["trainer.micro_batch_size=3", "trainer.loss.entropy_coef=0.01"]
+    eager = learner(tiny_model_dir, *common)
+    assert not eager.compiled  # "auto" on cpu
+    _, ref = grads_after_step(eager, batch)
+    comp = learner(tiny_model_dir, *common, "trainer.compile=true")
+    assert comp.compiled
+    _, got = grads_after_step(comp, batch)
+    assert_same_grads(ref, got, 1e-4)
+
+
+@pytest.mark.parametrize("knobs", [
+    [],
+    ["trainer.loss.entropy_coef=0.05", 'trainer.loss.normalize="sequences"'],
+    ['trainer.loss.kind="tis_reinforce"', "trainer.loss.kl_coef=0.1", "trainer.loss.max_token_lag=0",
+     "trainer.loss.entropy_floor=2.0"],
+])
+def test_the_fused_head_gives_the_chunked_heads_loss_figures_and_gradients(tiny_model_dir, hf_model, knobs):
+    """trainer.logprob_head = "fused" (each chunk's backward in its forward,
+    no recompute) against "chunked" (checkpointed chunks), in fp32: the same
+    loss, figures and gradients to 1e-4, with the entropy in the loss, KL,
+    the lag mask and both normalisations. Small chunks: many per micro-batch."""
+    batch = step_batch(hf_model)
+    common = ["trainer.micro_batch_size=3", "trainer.logprob_chunk_tokens=5", *knobs]
+    m_ref, g_ref = grads_after_step(learner(tiny_model_dir, *common, 'trainer.logprob_head="chunked"'), batch)
+    fused = learner(tiny_model_dir, *common, 'trainer.logprob_head="fused"')
+    assert fused.fused_head
+    m_fu, g_fu = grads_after_step(fused, batch)
+    assert abs(m_ref.loss - m_fu.loss) < 1e-6 and abs(m_ref.grad_norm - m_fu.grad_norm) < 1e-4 * m_ref.grad_norm
+    for key, value in m_ref.extra.items():
+        assert m_fu.extra[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+    assert m_ref.on_policy_diff_max == pytest.approx(m_fu.on_policy_diff_max, abs=1e-6)
+    assert_same_grads(g_ref, g_fu, 1e-4)
+
+
+def test_the_fused_head_computes_the_head_once_per_chunk(tiny_model_dir, hf_model):
+    """No recompute: the head runs once per chunk (chunked: twice)."""
+    batch = step_batch(hf_model)
+    calls = {}
+    for head in ("chunked", "fused"):
+        lrn = learner(tiny_model_dir, "trainer.micro_batch_size=64", "trainer.logprob_chunk_tokens=8",
+                      f'trainer.logprob_head="{head}"')
+        n = []
+        lrn.model.get_output_embeddings().register_forward_pre_hook(lambda mod, args: n.append(args[0].shape[0]))
+        grads_after_step(lrn, batch)
+        calls[head] = n
+    tokens = sum(len(s.completion_token_ids) for s in batch.samples)
+    assert sum(calls["fused"]) == tokens and sum(calls["chunked"]) == 2 * tokens
+
+
+def test_fused_head_is_refused_where_it_cannot_split_the_loss(tiny_model_dir):
+    with pytest.raises(ConfigError, match='trainer.logprob_head: "fused" cannot run with loss.kind = "gspo"'):
+        learner(tiny_model_dir, 'trainer.logprob_head="fused"', 'trainer.loss.kind="gspo"')
+    assert not learner(tiny_model_dir, 'trainer.loss.kind="gspo"').fused_head  # "auto" falls back
+    assert learner(tiny_model_dir).fused_head

@@ -132,7 +132,8 @@ def _fuzz(cfg: Config, args, log) -> int:
 def _trainer(cfg: Config, args, log) -> int:
     from rlnode.bench.trainer import bench_trainer, print_table
 
-    res = bench_trainer(cfg, args.tokens_per_step, args.prompt_tokens, args.completion_tokens, args.rounds, log)
+    res = bench_trainer(cfg, args.tokens_per_step, args.prompt_tokens, args.completion_tokens, args.rounds, log,
+                        switches=args.switches, largest=not args.no_largest)
     if args.json:
         print(msgspec.json.encode(res).decode())
     else:

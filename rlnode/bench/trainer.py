@@ -5,10 +5,10 @@ A synthetic step of ``tokens_per_step`` tokens: samples of ``prompt_tokens``
 + ``completion_tokens`` random ids, advantages +-1, behaviour log-probs 0.
 
   (a) rlnode: ``Learner.train_step`` with the config as given (set
-      trainer.precision, micro_batch_tokens, logprob_chunk_tokens,
-      activation_checkpointing with --set; on an H100 try
-      precision=bf16-mixed, micro_batch_tokens=32768,
-      activation_checkpointing=true);
+      trainer.precision, micro_batch_tokens, attention, compile,
+      head_precision, activation_checkpointing with --set), and with
+      ``--switches`` the config with one of those switched at a time
+      (``switch_variants``), each with what the learner resolved;
   (b) baseline: ``model(input_ids, attention_mask).logits`` on right-padded
       micro-batches of ``micro_batch_size`` samples, full [B, L, V] fp32
       log-softmax, a REINFORCE loss, backward, AdamW, in the Learner's
@@ -50,6 +50,16 @@ class ModeResult(msgspec.Struct):
     mfu: float | None
     peak_mem_gib: float | None  # torch.cuda.max_memory_allocated; None on cpu
     error: str = ""  # e.g. "OOM": the mode could not run this step
+    # What the learner resolved: attention kernel, layers checkpointed,
+    # compiled or not, head precision ("" for the baseline).
+    setup: str = ""
+
+
+class SwitchResult(msgspec.Struct):
+    name: str  # e.g. "checkpoint every layer": one switch changed from the config
+    sets: dict[str, str]  # the trainer keys it changed
+    result: ModeResult
+    speedup_vs_config: float | None  # config step_s / this step_s
 
 
 class TrainerBenchResult(msgspec.Struct):
@@ -72,6 +82,8 @@ class TrainerBenchResult(msgspec.Struct):
     # rlnode.peak_mem_gib measures); None where the model is not modelled.
     predicted_peak_gib: float | None = None
     predicted_peak_phase: str = ""
+    # --switches: the config with one switch changed at a time.
+    switches: list[SwitchResult] = []
 
 
 def synthetic_batch(n: int, prompt: int, completion: int, vocab: int, seed: int = 0) -> Batch:
@@ -165,8 +177,36 @@ def _mode(step_s: float, peak: float | None, tokens: int, params: int, flops: fl
     return ModeResult(step_s, tokens / step_s, 6 * params * tokens / step_s / flops if flops else None, peak)
 
 
+def learner_setup(learner) -> str:
+    t = learner.cfg.trainer
+    head = "fp32" if t.precision == "fp32" or (t.precision == "bf16-mixed" and t.head_precision == "fp32") else "bf16"
+    layers = learner.model.config.num_hidden_layers
+    return (f"attention {learner.attn_impl}, checkpoint {learner.checkpoint_layers}/{layers} layers, "
+            f"{'compiled' if learner.compiled else 'eager'}, head {head} {'fused' if learner.fused_head else 'chunked'}")
+
+
+def switch_variants(cfg: Config, device_type: str) -> list[tuple[str, dict]]:
+    """The config with one trainer switch changed at a time (issue 49's
+    switches): checkpointing every layer / none, compile flipped, padded
+    sdpa instead of a varlen kernel, the chunked (recomputed) log-prob head
+    instead of the fused one, the head's precision flipped under
+    bf16-mixed. A variant that resolves to the config's setup is left out."""
+    t = cfg.trainer
+    compiled = t.compile is True or (t.compile == "auto" and device_type == "cuda")
+    out = [("checkpoint every layer", dict(activation_checkpointing=True)),
+           ("checkpoint none", dict(activation_checkpointing=False)),
+           ("compile " + ("off" if compiled else "on"), dict(compile=not compiled)),
+           ("attention sdpa (padded rows)", dict(attention="sdpa"))]
+    out.append(("logprob head chunked" if t.logprob_head != "chunked" else "logprob head fused",
+                dict(logprob_head="chunked" if t.logprob_head != "chunked" else "fused")))
+    if t.precision == "bf16-mixed":
+        flip = "bf16" if t.head_precision == "fp32" else "fp32"
+        out.append((f"head {flip}", dict(head_precision=flip)))
+    return [(name, sets) for name, sets in out if any(getattr(t, k) != v for k, v in sets.items())]
+
+
 def bench_trainer(cfg: Config, tokens_per_step: int, prompt_tokens: int, completion_tokens: int, rounds: int,
-                  log) -> TrainerBenchResult:
+                  log, switches: bool = False, largest: bool = True) -> TrainerBenchResult:
     from rlnode.trainer.learner import PARAM_DTYPE, Learner
 
     if cfg.trainer.memory_check == "enforce":
@@ -179,26 +219,42 @@ def bench_trainer(cfg: Config, tokens_per_step: int, prompt_tokens: int, complet
     n = max(1, tokens_per_step // (prompt_tokens + completion_tokens))
     batch = synthetic_batch(n, prompt_tokens, completion_tokens, vocab)
     tokens = n * (prompt_tokens + completion_tokens)
-    plan = _predicted(cfg, n, prompt_tokens + completion_tokens, device.type)
+    plan = _predicted(cfg, n, prompt_tokens + completion_tokens, device.type, learner.checkpoint_layers)
     flops = _peak_flops(device)
     log(f"trainer: {params / 1e6:.1f}M params on {device}, {n} samples x {prompt_tokens}+{completion_tokens} tokens")
 
-    def run(name, step) -> ModeResult:
+    def run(name, step, setup: str = "") -> ModeResult:
         try:
             step_s, peak = _time(step, rounds, device)
-        except RuntimeError as e:
+        except Exception as e:  # noqa: BLE001 - one mode's failure is its row's result, not the bench's end
+            why = "OOM" if _is_oom(e) else f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+            log(f"  {name}: {why}")
             if not _is_oom(e):
-                raise
-            log(f"  {name}: OOM")
-            return ModeResult(float("nan"), 0.0, None, None, error="OOM")
-        log(f"  {name}: {step_s:.3f} s/step")
-        return _mode(step_s, peak, tokens, params, flops)
+                import traceback
 
-    ours = run("rlnode", lambda: learner.train_step(batch))
-    largest = _largest_micro_batch(learner, prompt_tokens, completion_tokens, vocab, log) \
-        if device.type == "cuda" else None
+                log(traceback.format_exc()[-3000:])
+            _free(device)
+            return ModeResult(float("nan"), 0.0, None, None, error=why, setup=setup)
+        log(f"  {name}: {step_s:.3f} s/step ({setup})" if setup else f"  {name}: {step_s:.3f} s/step")
+        return msgspec.structs.replace(_mode(step_s, peak, tokens, params, flops), setup=setup)
+
+    ours = run("rlnode", lambda: learner.train_step(batch), learner_setup(learner))
+    largest_mb = _largest_micro_batch(learner, prompt_tokens, completion_tokens, vocab, log) \
+        if device.type == "cuda" and largest else None
     del learner
     _free(device)
+    varied = []
+    for name, sets in switch_variants(cfg, device.type) if switches else []:
+        lrn = Learner(msgspec.structs.replace(cfg, trainer=msgspec.structs.replace(cfg.trainer, **sets)))
+        if learner_setup(lrn) == ours.setup:  # resolves to what the config runs already
+            del lrn
+            _free(device)
+            continue
+        res = run(name, lambda lrn=lrn: lrn.train_step(batch), learner_setup(lrn))
+        varied.append(SwitchResult(name, {k: str(v) for k, v in sets.items()}, res,
+                                   ours.step_s / res.step_s if not (res.error or ours.error) else None))
+        del lrn
+        _free(device)
     model, step = baseline_step_fn(cfg, device, PARAM_DTYPE[cfg.trainer.precision], batch)
     base = run("baseline", step)
     del model, step
@@ -211,21 +267,22 @@ def bench_trainer(cfg: Config, tokens_per_step: int, prompt_tokens: int, complet
         micro_batch_tokens=cfg.trainer.micro_batch_tokens, rounds=rounds, rlnode=ours, baseline=base,
         speedup=base.step_s / ours.step_s if ok else None,
         memory_ratio=ours.peak_mem_gib / base.peak_mem_gib if ok and base.peak_mem_gib else None,
-        max_micro_batch_tokens=largest, predicted_peak_gib=plan.peak / 2**30 if plan else None,
-        predicted_peak_phase=plan.peak_phase if plan else "")
+        max_micro_batch_tokens=largest_mb, predicted_peak_gib=plan.peak / 2**30 if plan else None,
+        predicted_peak_phase=plan.peak_phase if plan else "", switches=varied)
 
 
-def _predicted(cfg: Config, n: int, length: int, device_type: str):
+def _predicted(cfg: Config, n: int, length: int, device_type: str, checkpoint_layers: int):
     """The memory plan for the bench's largest micro-batch: ``n`` samples of
     ``length`` tokens split by micro_batch_tokens (whole samples; a longer
-    sample alone) or micro_batch_size."""
+    sample alone) or micro_batch_size, with the layers the learner
+    checkpoints."""
     from rlnode.trainer.memory_plan import UnsupportedModel, plan_for_config
 
     t = cfg.trainer
     per_mb = max(1, t.micro_batch_tokens // length) if t.micro_batch_tokens > 0 else t.micro_batch_size
     try:
         return plan_for_config(cfg, 0, ranks=1, tokens=min(n, per_mb) * length,
-                               device_type=device_type)
+                               device_type=device_type, checkpoint_layers=checkpoint_layers)
     except UnsupportedModel:
         return None
 
@@ -261,11 +318,16 @@ def print_table(res: TrainerBenchResult) -> None:
     print(f"  {res.params / 1e6:.1f}M params, precision {res.precision}, {res.samples} samples x "
           f"{res.prompt_tokens}+{res.completion_tokens} = {res.tokens_per_step} tokens/step, "
           f"micro_batch_tokens {res.micro_batch_tokens}, median of {res.rounds}")
-    print(f"  {'mode':<10}{'s/step':>10}{'tokens/s':>12}{'MFU':>8}{'peak GiB':>10}")
-    for name, m in (("rlnode", res.rlnode), ("baseline", res.baseline)):
+    print(f"  {'mode':<30}{'s/step':>10}{'tokens/s':>12}{'MFU':>8}{'peak GiB':>10}{'vs config':>11}  setup")
+    rows = [("rlnode (config)", res.rlnode, None)]
+    rows += [(s.name, s.result, s.speedup_vs_config) for s in res.switches]
+    rows.append(("baseline (transformers)", res.baseline, None))
+    for name, m, vs in rows:
         mfu = f"{m.mfu:.3f}" if m.mfu is not None else "-"
         mem = f"{m.peak_mem_gib:.2f}" if m.peak_mem_gib is not None else "-"
-        print(f"  {name:<10}{m.step_s:>10.3f}{m.tokens_per_s:>12.0f}{mfu:>8}{mem:>10}  {m.error}")
+        ratio = f"{vs:.2f}x" if vs is not None else "-"
+        print(f"  {name:<30}{m.step_s:>10.3f}{m.tokens_per_s:>12.0f}{mfu:>8}{mem:>10}{ratio:>11}  "
+              f"{m.setup}{'  ' + m.error if m.error else ''}")
     speed = f"{res.speedup:.2f}x" if res.speedup is not None else "-"
     mem = f"{res.memory_ratio:.2f}" if res.memory_ratio is not None else "-"
     print(f"  speedup (baseline / rlnode step time) = {speed}, memory ratio = {mem}, "

@@ -118,6 +118,10 @@ def _check_lora(cfg: Config) -> None:
 
 
 def _check_attention(t: TrainerConfig) -> None:
+    if t.head_precision == "bf16" and t.precision == "fp32":
+        raise ConfigError('trainer.head_precision: "bf16" needs bf16 compute, but trainer.precision = "fp32" '
+                          'computes everything in fp32; set trainer.precision = "bf16-mixed", or '
+                          'trainer.head_precision = "fp32"')
     # flash_attn and cuda are checked at start (learner.attention_implementation).
     if t.attention == "varlen" and t.precision == "fp32" and t.device == "cuda":
         raise ConfigError(

@@ -308,9 +308,36 @@ class TrainerConfig(Section):
     # "fp32" (FA2 takes fp16/bf16 only), on cpu, or (at start) without
     # flash_attn: it has no PyPI wheels. "eager": reference kernel.
     attention: Literal["auto", "varlen", "flash_attention_2", "sdpa", "eager"] = "auto"
-    # Recompute each decoder layer's activations in backward instead of
-    # keeping them (less memory, ~30% more compute).
-    activation_checkpointing: bool = False
+    # The lm head under precision "bf16-mixed": "fp32" computes the logits
+    # from the fp32 master head (the engines' actor.engine.fp32_lm_head
+    # computes the same: the logprob parity of a bf16 run); "bf16" under
+    # autocast like the decoder, about 14x the fp32 rate on an H200 (bf16
+    # tensor cores vs fp32 CUDA cores; the head is ~40% of a fp32-head step
+    # at Qwen3's vocabulary) and ~0.02 nats from the fp32 head's log-probs:
+    # pair it with actor.engine.fp32_lm_head = false. Precision "bf16"
+    # always computes a bf16 head, "fp32" an fp32 one.
+    head_precision: Literal["fp32", "bf16"] = "fp32"
+    # How token log-probs and entropy meet the loss: "chunked" computes them
+    # logprob_chunk_tokens at a time and recomputes each chunk's head in
+    # backward; "fused" runs each chunk's backward in its forward with the
+    # loss's per-token gradients (rlnode/trainer/scoring.py: 6 instead of 8
+    # N H V head FLOPs, no recompute, no [tokens, vocab] tensor either way).
+    # "fused" cannot run with loss.kind = "gspo", trainer.lora.rank > 0 or
+    # trainer.parallel.ranks > 1; "auto" = fused wherever it can.
+    logprob_head: Literal["auto", "chunked", "fused"] = "auto"
+    # Recompute decoder layers' activations in backward instead of keeping
+    # them (less memory, ~1/3 more compute per layer recomputed). true:
+    # every layer; false: none; "auto": on cuda the fewest layers for the
+    # memory plan (rlnode/trainer/memory_plan.py, its reserve included) to
+    # fit the GPU's free memory, none when everything fits (cpu, or
+    # memory_check = "off": none).
+    activation_checkpointing: bool | Literal["auto"] = "auto"
+    # Each decoder layer under torch.compile (Inductor fuses the norms,
+    # rotary, SwiGLU and autocast casts): "auto" = on cuda only, where
+    # `rlnode bench trainer` measured the gain (Qwen3-1.7B on an H200: 1.17
+    # -> 0.95 s per 16k-token step); the first steps of each new shape pay
+    # the compile. true/false force it on/off.
+    compile: bool | Literal["auto"] = "auto"
     # Trainer memory plan (rlnode/trainer/memory_plan.py), checked on cuda
     # against the GPU's free memory before the model loads: "enforce"
     # refuses to start when it cannot fit (the message lists the biggest

@@ -20,6 +20,9 @@ allows 10 minutes a command):
                 vLLM adapter per version, no pause) beside a full-weight update of the same model
   trainer_*     ``rlnode bench trainer`` at Qwen3-0.6B and -1.7B shapes (random weights,
                 real vocabulary), bf16-mixed: tokens/s, MFU, peak memory vs the memory plan
+  trainer_mfu   the same at 1.7B with issue 49's switches (varlen, checkpointing from the
+                plan, compiled layers, bf16 head), each flipped in the same run: passes at
+                MFU >= 0.35 with the peak within the plan
   run           a 20-step ``rlnode --role all`` run of the demo on one device: steps,
                 rewards, on-policy logprob gap, wall time
 
@@ -111,6 +114,19 @@ def plan(device: str, work: Path) -> list[Step]:
                     "--set", 'trainer.precision="bf16-mixed"', "--set", "trainer.activation_checkpointing=true",
                     "--rounds", "2", "--tokens-per-step", "16384", "--json")],
             cuda_only=True, timeout_s=300))
+    # Issue 49: the trainer at Qwen3-1.7B shapes, 16k tokens a step, with
+    # what keeps the GPU busy (packed varlen attention, checkpointing from
+    # the plan, compiled layers, the head in bf16), each switch flipped in
+    # the same run, and the transformers baseline: MFU >= MFU_MIN with the
+    # peak within the memory plan.
+    path = str(work / "qwen3-1.7b")
+    steps.append(Step("trainer_mfu", [
+        _rlnode("tiny-model", path, "--preset", "qwen3-1.7b", "--if-missing"),
+        _rlnode("bench", "trainer", *base, *_device_sets(device, path, str(work / "trainer")),
+                "--set", 'trainer.precision="bf16-mixed"', "--set", 'trainer.head_precision="bf16"',
+                "--set", "trainer.micro_batch_tokens=16384", "--set", "model.max_model_len=2048",
+                "--rounds", "3", "--tokens-per-step", "16384", "--switches", "--no-largest", "--json")],
+        cuda_only=True, parse="trainer_mfu", timeout_s=480))
     steps.append(Step("trainer_tiny", [_rlnode("bench", "trainer", *base, *_device_sets(device, tiny, str(work / "trainer")),
                                                "--rounds", "2", "--tokens-per-step", "2048",
                                                "--prompt-tokens", "256", "--completion-tokens", "256", "--json")],
@@ -214,6 +230,26 @@ def summarize_run(run_dir: Path) -> dict:
             "step_s_median": statistics.median_high(step_s) if step_s else None}
 
 
+# Issue 49's bar for the trainer at Qwen3-1.7B shapes on one GPU.
+MFU_MIN = 0.35
+# Measured peak over the memory plan's prediction that still counts as "within the plan".
+PLAN_SLACK = 1.10
+
+
+def mfu_verdict(res: dict | None) -> tuple[bool, str]:
+    """trainer_mfu: the configured trainer's MFU >= MFU_MIN and its peak
+    memory within PLAN_SLACK of the plan's prediction."""
+    if not res:
+        return False, "no result"
+    ours, planned = res["rlnode"], res.get("predicted_peak_gib")
+    mfu, peak = ours.get("mfu"), ours.get("peak_mem_gib")
+    if mfu is None or peak is None or planned is None:
+        return False, f"MFU {mfu}, peak {peak} GiB, plan {planned} GiB: not measured"
+    ok = mfu >= MFU_MIN and peak <= PLAN_SLACK * planned
+    return ok, (f"MFU {mfu:.3f} ({'>=' if mfu >= MFU_MIN else '<'} {MFU_MIN}), peak {peak:.1f} GiB vs plan "
+                f"{planned:.1f} GiB ({'within' if peak <= PLAN_SLACK * planned else 'over'} {PLAN_SLACK:.2f}x)")
+
+
 def run_step(step: Step, device: str, budget_end: float, work: Path) -> dict:
     t0 = time.monotonic()
     if step.cuda_only and device != "cuda":
@@ -252,6 +288,9 @@ def run_step(step: Step, device: str, budget_end: float, work: Path) -> dict:
         if step.parse in ("json", "check"):
             rec["result"] = _last_json(out.stdout)
             rec["ok"] = rec["result"] is not None
+        elif step.parse == "trainer_mfu":
+            rec["result"] = res = _last_json(out.stdout)
+            rec["ok"], rec["verdict"] = mfu_verdict(res)
         elif step.parse == "run":
             rec["result"] = summarize_run(work / "run")
             rec["ok"] = rec["result"]["steps"] >= 20

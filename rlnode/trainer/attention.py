@@ -15,8 +15,8 @@ the row alone, right-padded or unpadded, computes for its real tokens.
   cuda: ``torch.nn.attention.varlen.varlen_attn`` (PyTorch's FlashAttention
         varlen kernel, torch >= 2.9), causal through ``window_size = (-1, 0)``
         (torch 2.11+) or ``is_causal`` (2.9/2.10, by signature). It takes
-        fp16/bf16 only: q/k/v are cast to the autocast dtype (Qwen3's q/k
-        norms hand fp32 to the kernel under bf16 autocast). Key/value heads
+        fp16/bf16 only: q/k are cast to v's dtype, the autocast dtype
+        (Qwen3's q/k norms hand fp32 to the kernel under bf16 autocast). Key/value heads
         are repeated to the query heads where the signature has no
         ``enable_gqa``.
   cpu:  one ``scaled_dot_product_attention(is_causal=True)`` per row slice:
@@ -38,6 +38,8 @@ import torch
 import torch.nn.functional as F
 
 VARLEN = "rlnode_varlen"
+# varlen_attn's causal keyword arguments for the installed torch (register()).
+_CUDA_KWARGS: dict | None = None
 
 
 def _cuda_varlen_kwargs(fn) -> dict:
@@ -78,14 +80,17 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
 
 
 def _cuda(q, k, v, cu, max_len: int, scale: float | None) -> torch.Tensor:
+    # Compile-friendly (trainer.compile traces this): the signature was read
+    # at register(), and the compute dtype is v's (v_proj's output: the
+    # autocast dtype; q and k leave Qwen3's norms in fp32).
     from torch.nn.attention.varlen import varlen_attn
 
-    kwargs = _cuda_varlen_kwargs(varlen_attn)
-    dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else q.dtype
+    kwargs = _CUDA_KWARGS if _CUDA_KWARGS is not None else _cuda_varlen_kwargs(varlen_attn)
+    dtype = v.dtype
     if dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f'trainer.attention = "varlen" on cuda takes fp16/bf16 inputs, got {dtype}: '
                          'set trainer.precision = "bf16-mixed" or "bf16", or trainer.attention = "sdpa"')
-    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    q, k = q.to(dtype), k.to(dtype)
     if "enable_gqa" not in kwargs and k.shape[1] != q.shape[1]:
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
         v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
@@ -108,6 +113,14 @@ def register() -> str:
     """Make ``VARLEN`` an attn_implementation transformers accepts (idempotent)."""
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import flash_attention_mask
+
+    global _CUDA_KWARGS
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:  # torch < 2.9: the cpu path still runs; cuda fails at the first call
+        pass
+    else:
+        _CUDA_KWARGS = _cuda_varlen_kwargs(varlen_attn)
 
     AttentionInterface.register(VARLEN, varlen_attention)
     AttentionMaskInterface.register(VARLEN, flash_attention_mask)

@@ -40,11 +40,11 @@ import torch
 from rlnode.config import Config, ConfigError
 from rlnode.trainer import attention as varlen_attention
 from rlnode.trainer.buffer import Batch
-from rlnode.trainer.loss import LossInputs, mismatch_figures, policy_loss
+from rlnode.trainer.loss import LossInputs, LossOutput, mismatch_figures, policy_loss
 from rlnode.trainer.memory_plan import check_learner_memory, resolve_adamw_impl
 from rlnode.trainer.metrics import combine
-from rlnode.trainer.scoring import (MicroBatch, PackedRow, bucket_micro_batches, budget_micro_batches,
-                                    chunked_logprobs, packed_inputs, padded_inputs)
+from rlnode.trainer.scoring import (MicroBatch, PackedRow, TokenLoss, bucket_micro_batches, budget_micro_batches,
+                                    chunked_logprobs, fused_head_loss, packed_inputs, padded_inputs)
 from rlnode.weights import lora
 
 
@@ -185,6 +185,37 @@ def is_varlen(attn_impl: str) -> bool:
     return attn_impl.startswith("flash_attention") or attn_impl == varlen_attention.VARLEN
 
 
+def logprob_head(t, sharded: bool) -> bool:
+    """Whether trainer.logprob_head runs fused (scoring.FusedHeadLoss) or
+    chunked with recompute. "fused" is refused, naming the key, where the
+    loss or the head cannot be split per token: loss.kind = "gspo" (a
+    sequence ratio), a LoRA run (the head may be adapted), FSDP2 ranks
+    (sharded head weight). "auto": fused wherever it can run."""
+    why = ('loss.kind = "gspo" (its sequence ratio reads every token of a sample)' if t.loss.kind == "gspo" else
+           "trainer.lora.rank > 0" if t.lora.rank > 0 else
+           "trainer.parallel.ranks > 1 (FSDP2 shards the head)" if sharded else "")
+    if t.logprob_head == "fused" and why:
+        raise ConfigError(f'trainer.logprob_head: "fused" cannot run with {why}; set trainer.logprob_head = '
+                          '"chunked" or "auto"')
+    return t.logprob_head == "fused" or (t.logprob_head == "auto" and not why)
+
+
+def checkpoint_layers(choice: bool | str, plan, layers: int) -> int:
+    """Decoder layers to recompute in backward for trainer.activation_checkpointing
+    = ``choice``: true all, false none, "auto" what the memory plan chose
+    (none without a plan: a cpu trainer, or memory_check = "off")."""
+    if choice == "auto":
+        return plan.checkpoint_layers if plan is not None else 0
+    return layers if choice else 0
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder layers, in order (transformers' GradientCheckpointingLayer)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
 class Learner:
     """shard: called once on the loaded policy, after activation
     checkpointing is set up and before the optimizer is built, to shard it in
@@ -216,10 +247,28 @@ class Learner:
         self.model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=dtype,
                                                           attn_implementation=self.attn_impl).to(self.device)
         self.model.train()
-        if t.activation_checkpointing:
+        self.checkpoint_layers = checkpoint_layers(t.activation_checkpointing, self.memory_plan,
+                                                   self.model.config.num_hidden_layers)
+        if self.checkpoint_layers:
             # Non-reentrant: works with inputs that need no grad (the token
-            # ids) and with FSDP2's hooks; recomputes each decoder layer.
+            # ids) and with FSDP2's hooks; recomputes each checkpointed
+            # decoder layer (the first checkpoint_layers: which ones does
+            # not change the memory, only how many).
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            for layer in decoder_layers(self.model)[self.checkpoint_layers:]:
+                layer.gradient_checkpointing = False
+        # bf16-mixed's head from the fp32 master weights outside autocast
+        # (trainer.head_precision = "fp32"), else in the compute dtype.
+        self.fp32_head = t.precision == "bf16-mixed" and t.head_precision == "fp32"
+        self.fused_head = logprob_head(t, sharded=shard is not None)
+        self.compiled = t.compile is True or (t.compile == "auto" and self.device.type == "cuda")
+        if self.compiled:
+            # Per layer, not the whole model: one graph every layer shares
+            # (same code, parameters as inputs), checkpointing and FSDP2's
+            # per-layer hooks stay outside it (torchtitan's order: AC,
+            # compile, shard).
+            for layer in decoder_layers(self.model):
+                layer.compile()
         if shard is not None:
             shard(self.model)
         # trainer.lora: the model is peft's wrap of the frozen base (a
@@ -292,20 +341,13 @@ class Learner:
         return torch.autocast(self.device.type, dtype=torch.bfloat16,
                               enabled=self.cfg.trainer.precision == "bf16-mixed")
 
-    def token_logprobs(self, model, samples, entropy_grad: bool = False, rows: list[PackedRow] | None = None) -> Scored:
-        """log pi(completion token) for every sample, padded to [B, T], with
-        the mask and the entropy of pi at each of those tokens (carrying the
-        gradient only when ``entropy_grad``: it is a metric otherwise), all
-        in one forward. ``rows``: the forward rows (spans index
-        ``samples``); default ``forward_rows(samples)``. With
-        a varlen kernel the rows are concatenated into one sequence, else
-        right-padded with no mask."""
+    def _scoring_inputs(self, model, samples, rows: list[PackedRow] | None):
+        """The decoder's forward over the rows and, for every completion
+        token in flat order: the hidden state predicting it [N, H], the
+        token [N], its sample's temperature [N], and where it goes in the
+        [B, T] layout (sample k, column t)."""
         rows = self.forward_rows(samples) if rows is None else rows
-        t = self.cfg.trainer
-        if self.varlen:
-            inp = packed_inputs(rows, self.device, self.attn_impl)
-        else:
-            inp = padded_inputs(rows, self.device)
+        inp = packed_inputs(rows, self.device, self.attn_impl) if self.varlen else padded_inputs(rows, self.device)
         # Index every completion token once: the flat position predicting it
         # (logits at j predict token j + 1) and where it goes in the [B, T]
         # output (sample k, column t).
@@ -317,26 +359,76 @@ class Learner:
                 t_idx += range(n)
                 temps += [samples[k].temperature] * n
         f_i = torch.tensor(f_idx, dtype=torch.long, device=self.device)
-        model = causal_lm(model)
-        with self._autocast():
-            hidden = model.base_model(**inp.kwargs).last_hidden_state  # [R, L, H] or [1, S, H]
-            # The lm_head only where a completion token is predicted, and
-            # chunkwise (scoring.py): never [N, V], let alone [R, L, V].
-            lp, h = chunked_logprobs(model.get_output_embeddings(), hidden.reshape(-1, hidden.shape[-1])[f_i],
-                                     inp.ids[f_i + 1], torch.tensor(temps, device=self.device),
-                                     t.logprob_chunk_tokens, fp32_head=t.precision == "bf16-mixed",
-                                     entropy_grad=entropy_grad)  # [N], [N]
-        if not (entropy_grad and torch.is_grad_enabled()):
-            h = h.detach()
-        T = max(len(s.completion_token_ids) for s in samples)
+        hidden = causal_lm(model).base_model(**inp.kwargs).last_hidden_state  # [R, L, H] or [1, S, H]
         where = (torch.tensor(k_idx, dtype=torch.long, device=self.device),
                  torch.tensor(t_idx, dtype=torch.long, device=self.device))
-        out = torch.zeros(len(samples), T, device=self.device).index_put(where, lp)
-        ent = torch.zeros(len(samples), T, device=self.device).index_put(where, h)
+        return (hidden.reshape(-1, hidden.shape[-1])[f_i], inp.ids[f_i + 1],
+                torch.tensor(temps, device=self.device), where)
+
+    def _layout(self, samples, where, *flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Flat per-token values -> [B, T] each, then the [B, T] mask."""
+        T = max(len(s.completion_token_ids) for s in samples)
+        out = [torch.zeros(len(samples), T, device=self.device).index_put(where, x) for x in flat]
         mask = torch.zeros(len(samples), T)
         for k, s in enumerate(samples):
             mask[k, : len(s.completion_token_ids)] = torch.from_numpy(s.completion_mask.astype("float32"))
-        return Scored(out, mask.to(self.device), ent)
+        return (*out, mask.to(self.device))
+
+    def token_logprobs(self, model, samples, entropy_grad: bool = False, rows: list[PackedRow] | None = None) -> Scored:
+        """log pi(completion token) for every sample, padded to [B, T], with
+        the mask and the entropy of pi at each of those tokens (carrying the
+        gradient only when ``entropy_grad``: it is a metric otherwise), all
+        in one forward. ``rows``: the forward rows (spans index
+        ``samples``); default ``forward_rows(samples)``. With a varlen
+        kernel the rows are concatenated into one sequence, else
+        right-padded with no mask."""
+        t = self.cfg.trainer
+        model = causal_lm(model)
+        with self._autocast():
+            hidden, targets, temps, where = self._scoring_inputs(model, samples, rows)
+            # The lm_head only where a completion token is predicted, and
+            # chunkwise (scoring.py): never [N, V], let alone [R, L, V].
+            lp, h = chunked_logprobs(model.get_output_embeddings(), hidden, targets, temps,
+                                     t.logprob_chunk_tokens, fp32_head=self.fp32_head,
+                                     entropy_grad=entropy_grad)  # [N], [N]
+        if not (entropy_grad and torch.is_grad_enabled()):
+            h = h.detach()
+        out, ent, mask = self._layout(samples, where, lp, h)
+        return Scored(out, mask, ent)
+
+    def fused_loss(self, samples, rows, mu: torch.Tensor, adv: torch.Tensor, lag: torch.Tensor,
+                   ref: torch.Tensor | None, loss_cfg, normalizer: float):
+        """trainer.logprob_head = "fused": the micro-batch's loss with the
+        head's backward done chunk by chunk in its forward (scoring.FusedHeadLoss).
+        mu, lag, ref: [B, T]; adv: [B]. Returns (loss carrying the decoder's
+        gradient, logp [B, T] and entropy [B, T] without gradient, mask
+        [B, T], the chunks' figures)."""
+        t = self.cfg.trainer
+        model = causal_lm(self.model)
+        with self._autocast():
+            hidden, targets, temps, where = self._scoring_inputs(model, samples, rows)
+            mask = self._layout(samples, where)[0]
+            k, col = where
+            # Per token, in the flat order: one token per loss row ([N, 1]).
+            tok = dict(mu=mu[k, col], mask=mask[k, col], lag=lag[k, col], adv=adv[k],
+                       ref=ref[k, col] if ref is not None else None)
+            weight = None
+            if loss_cfg.normalize == "sequences":  # l_t / |y_i| under "tokens" (loss.LossInputs.token_weight)
+                weight = 1.0 / mask.sum(dim=1).clamp(min=1)[k]
+            cfg_tokens = msgspec.structs.replace(loss_cfg, normalize="tokens")
+
+            def chunk_loss(lp, ent, a, b):
+                col1 = lambda x: None if x is None else x[a:b, None]  # noqa: E731
+                out = policy_loss(LossInputs(lp[:, None], col1(tok["mu"]), tok["adv"][a:b], col1(tok["mask"]),
+                                             col1(tok["ref"]), ent[:, None], col1(tok["lag"]), col1(weight)),
+                                  cfg_tokens, normalizer)
+                return out.loss, out.metrics
+
+            loss, lp, ent, parts = fused_head_loss(model.get_output_embeddings(), hidden, targets, temps,
+                                                   t.logprob_chunk_tokens, TokenLoss(chunk_loss, loss_cfg.entropy_term),
+                                                   fp32_head=self.fp32_head)
+        logp, entropy = self._layout(samples, where, lp, ent)[:2]
+        return loss, logp, entropy, mask, parts
 
     # -- one optimizer step ---------------------------------------------------------
 
@@ -359,10 +451,9 @@ class Learner:
         mbs = self.micro_batches(samples)
         for mb in mbs:
             part = [samples[i] for i in mb.samples]
-            logp, mask, entropy = self.token_logprobs(self.model, part, entropy_grad=loss_cfg.entropy_term,
-                                                      rows=mb.rows)
-            mu = torch.zeros_like(logp)
-            lag = torch.zeros(logp.shape, dtype=torch.long)
+            T = max(len(s.completion_token_ids) for s in part)
+            mu = torch.zeros(len(part), T, device=self.device)
+            lag = torch.zeros(len(part), T, dtype=torch.long)
             for j, (i, s) in enumerate(zip(mb.samples, part)):
                 lp = torch.from_numpy(s.completion_logprobs.astype("float32"))
                 mu[j, : len(lp)] = lp.to(self.device)
@@ -372,7 +463,14 @@ class Learner:
             adv = torch.tensor([batch.advantages[i] for i in mb.samples], dtype=torch.float32, device=self.device)
             # Divided by the whole step's normalizer: the micro-batch losses
             # (and their gradients) sum to the loss of the step as one batch.
-            out = policy_loss(LossInputs(logp, mu, adv, mask, ref, entropy, lag), loss_cfg, normalizer)
+            if self.fused_head:
+                loss, logp, entropy, mask, figures = self.fused_loss(part, mb.rows, mu, adv, lag, ref, loss_cfg,
+                                                                     normalizer)
+                out = LossOutput(loss, combine(figures))
+            else:
+                logp, mask, entropy = self.token_logprobs(self.model, part, entropy_grad=loss_cfg.entropy_term,
+                                                          rows=mb.rows)
+                out = policy_loss(LossInputs(logp, mu, adv, mask, ref, entropy, lag), loss_cfg, normalizer)
             out.loss.backward()
             trained = mask.bool()
             log_ratios.append((logp.detach() - mu)[trained].cpu())

@@ -99,6 +99,10 @@ class LossInputs:
     # [B, T] version lag of each token: trainer version - the version of
     # the weights that produced it (loss.max_token_lag).
     token_lag: torch.Tensor | None = None
+    # [B, T] weight of each token's l_t before the normalisation (None = 1).
+    # The fused head (scoring.FusedHeadLoss) scores tokens one per row and
+    # expresses normalize = "sequences" as 1/|y_i| per token under "tokens".
+    token_weight: torch.Tensor | None = None
 
 
 @dataclass
@@ -235,6 +239,8 @@ def policy_loss(inp: LossInputs, cfg: LossConfig, normalizer: float) -> LossOutp
     if cfg.max_token_lag >= 0:
         lag_masked = m & (inp.token_lag > cfg.max_token_lag)  # [B, T]
         per_tok = torch.where(lag_masked, 0.0, per_tok)
+    if inp.token_weight is not None:
+        per_tok = per_tok * inp.token_weight
     if cfg.normalize == "tokens":
         loss = per_tok.sum() / normalizer
     else:

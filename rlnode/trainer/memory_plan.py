@@ -45,8 +45,11 @@ against autograd's saved tensors in tests/test_memory_plan.py):
                q, k, v, gate, up)
   fp32, bf16:  2 (4 + 2b) H + (4 + b)(q + k) [qk-norm] + b (3q + 2k) + 4 b I
 
-Activation checkpointing keeps only each layer's input (b H per token; 4 H
-under bf16-mixed) and recomputes one layer at a time in backward.
+Activation checkpointing keeps only each checkpointed layer's input (b H per
+token; 4 H under bf16-mixed) and recomputes one layer at a time in backward;
+with c of the L layers checkpointed (``trainer.activation_checkpointing =
+"auto"``: the fewest that fit, ``checkpoint_layers``) the others keep their
+activations, and under bf16-mixed their autocast copies, into backward.
 
 The head (scoring.py) runs ``logprob_chunk_tokens`` tokens at a time: a chunk's
 forward holds 3 fp32 [chunk, vocab] tensors, its recompute + backward 5
@@ -225,7 +228,9 @@ class MemoryPlan(msgspec.Struct, kw_only=True):
     tokens: int  # tokens of the largest micro-batch planned for
     tokens_exact: bool  # False: micro_batch_size x max_model_len, a worst case
     chunk_tokens: int  # scoring chunk (logprob_chunk_tokens, at most tokens)
-    activation_checkpointing: bool
+    activation_checkpointing: bool  # any layer checkpointed
+    checkpoint_layers: int = 0  # decoder layers recomputed in backward, of layers
+    layers: int = 0
     weights: int  # what the forward reads (bf16-mixed: the autocast bf16 copies)
     adapter_weights: int = 0  # LoRA: the adapter's fp32 parameters
     master_weights: int  # fp32 master weights (bf16-mixed), sharded
@@ -256,8 +261,9 @@ class MemoryPlan(msgspec.Struct, kw_only=True):
                                                             " (micro_batch_size x max_model_len, a worst case)")
         lora = (f", LoRA rank {self.lora_rank} ({self.adapter_params / 1e6:.1f}M trained, base frozen)"
                 if self.lora_rank else "")
+        ckpt = (f"{self.checkpoint_layers} of {self.layers} layers checkpointed, " if self.layers else "")
         head = (f"trainer memory plan: {self.model}{lora}, {self.ranks} rank(s), {self.precision}, "
-                f"{self.adamw_impl} AdamW, "
+                f"{self.adamw_impl} AdamW, {ckpt}"
                 f"{bound}: peak {_g(self.peak)} GiB in the {self.peak_phase} phase + {_g(self.reserve)} GiB reserve "
                 f"= {_g(self.total)} GiB per GPU, ")
         room = f"{_g(self.device_bytes)} GiB free"
@@ -296,7 +302,7 @@ class _Knobs(msgspec.Struct, kw_only=True):
     tokens_exact: bool
     max_len: int  # model.max_model_len: the longest row, alone in a micro-batch if need be
     chunk: int  # logprob_chunk_tokens
-    ckpt: bool
+    ckpt_layers: int  # decoder layers checkpointed (0 .. the model's layers)
     eager: bool  # eager attention keeps [heads, L, L] scores per row
     kl: bool
     lora_rank: int = 0  # trainer.lora.rank; 0 = full fine-tuning
@@ -356,9 +362,10 @@ def _activation_terms(m: ModelShape, k: _Knobs) -> dict[str, int]:
     if k.lora_rank and k.lora_dropout:  # each target's dropped-out input and its mask
         dims = m.projections()
         layer += sum(dims[t][0] for t in k.lora_targets) * (COMPUTE_BYTES[k.precision] + 1) * T
-    kept = outside + (m.layers * r * m.hidden * T if k.ckpt else m.layers * layer)
+    c = min(k.ckpt_layers, m.layers)
+    kept = outside + c * r * m.hidden * T + (m.layers - c) * layer
     unit = min(k.chunk, T) * m.vocab * 4
-    return dict(kept=kept, layer=(2 if k.ckpt else 1) * layer, head_fwd=HEAD_FORWARD_TENSORS * unit,
+    return dict(kept=kept, layer=(2 if c else 1) * layer, head_fwd=HEAD_FORWARD_TENSORS * unit,
                 head_bwd=HEAD_BACKWARD_TENSORS * unit)
 
 
@@ -369,7 +376,7 @@ def _phase_terms(m: ModelShape, k: _Knobs) -> dict[str, dict[str, int]]:
                                "fsdp_unsharded", "reference_model")}
     # Checkpointing: the autocast copies die with the forward's autocast
     # region; FSDP2 regathers its layers in backward either way.
-    copies_bwd = s["copies"] if not k.ckpt or k.ranks > 1 else 0
+    copies_bwd = s["copies"] if k.ranks > 1 else s["copies"] * (m.layers - min(k.ckpt_layers, m.layers)) // m.layers
     head_wins = a["head_bwd"] >= a["layer"]
     full = "master_weights" if k.precision == "bf16-mixed" else "weights"
     return {
@@ -397,7 +404,8 @@ def _plan(m: ModelShape, k: _Knobs, device_bytes: int) -> MemoryPlan:
         lora_rank=k.lora_rank, adapter_params=m.adapter_params(k.lora_rank, k.lora_targets) if k.lora_rank else 0,
         ranks=k.ranks, adapter_weights=s["adapter_weights"],
         precision=k.precision, adamw_impl=k.adamw_impl, tokens=k.tokens, tokens_exact=k.tokens_exact,
-        chunk_tokens=min(k.chunk, k.tokens), activation_checkpointing=k.ckpt, weights=s["weights"] + s["copies"],
+        chunk_tokens=min(k.chunk, k.tokens), activation_checkpointing=k.ckpt_layers > 0,
+        checkpoint_layers=min(k.ckpt_layers, m.layers), layers=m.layers, weights=s["weights"] + s["copies"],
         master_weights=s["master_weights"], gradients=s["gradients"], optimizer_states=s["optimizer_states"],
         optimizer_temporaries=s["optimizer_temporaries"], activations=a["kept"] + a["layer"],
         logits=a["head_bwd"], fsdp_unsharded=s["fsdp_unsharded"], reference_model=s["reference_model"],
@@ -437,22 +445,31 @@ def knobs_for_config(cfg: Config, *, ranks: int | None = None, tokens: int | Non
     return _Knobs(precision=t.precision, adamw_impl=resolve_adamw_impl(t.optim.adamw_impl, device_type),
                   ranks=1 if t.lora.rank else max(1, ranks if ranks is not None else t.parallel.ranks),
                   tokens=bound, tokens_exact=exact,
-                  max_len=max_len, chunk=t.logprob_chunk_tokens, ckpt=t.activation_checkpointing,
+                  max_len=max_len, chunk=t.logprob_chunk_tokens,
+                  ckpt_layers=ALL_LAYERS if t.activation_checkpointing in (True, "auto") else 0,
                   eager=t.attention == "eager", kl=t.loss.kl_coef > 0, lora_rank=t.lora.rank,
                   lora_targets=tuple(t.lora.target_modules), lora_dropout=t.lora.dropout > 0)
 
 
 def plan_for_config(cfg: Config, device_bytes: int, *, ranks: int | None = None, tokens: int | None = None,
-                    device_type: str = "cuda", shape: ModelShape | None = None) -> MemoryPlan:
+                    device_type: str = "cuda", shape: ModelShape | None = None,
+                    checkpoint_layers: int | None = None) -> MemoryPlan:
     """The trainer's per-GPU plan for ``cfg`` on a device with ``device_bytes``
     free. ranks: the FSDP2 degree (default trainer.parallel.ranks, where 0
     = one per GPU reads as 1: pass the GPU count). tokens: the largest
     micro-batch (default max(micro_batch_tokens, max_model_len), or, with
     micro_batch_tokens = 0, micro_batch_size x max_model_len: a worst case,
     verdict "may_not_fit" where only it does not fit). shape: default read
-    from model.path/config.json. Raises UnsupportedModel."""
+    from model.path/config.json. checkpoint_layers: plan with that many
+    layers checkpointed (what a learner chose), not the config's choice.
+    Raises UnsupportedModel."""
     m = shape if shape is not None else ModelShape.from_dir(cfg.model.path)
     k = knobs_for_config(cfg, ranks=ranks, tokens=tokens, device_type=device_type)
+    k = msgspec.structs.replace(k, ckpt_layers=min(k.ckpt_layers, m.layers))
+    if checkpoint_layers is not None:
+        k = msgspec.structs.replace(k, ckpt_layers=min(checkpoint_layers, m.layers))
+    elif cfg.trainer.activation_checkpointing == "auto":
+        k = msgspec.structs.replace(k, ckpt_layers=fewest_checkpointed_layers(m, k, device_bytes))
     plan = _plan(m, k, device_bytes)
     if plan.verdict == "fits":
         return plan
@@ -460,6 +477,23 @@ def plan_for_config(cfg: Config, device_bytes: int, *, ranks: int | None = None,
         plan.verdict = "may_not_fit"
     plan.advice = advice(m, k, device_bytes)
     return plan
+
+
+# knobs_for_config's stand-in for "every decoder layer" (capped at the model's).
+ALL_LAYERS = 1 << 30
+
+
+def fewest_checkpointed_layers(m: ModelShape, k: _Knobs, device_bytes: int) -> int:
+    """trainer.activation_checkpointing = "auto": the fewest decoder layers
+    to recompute in backward for the plan (reserve included) to fit: 0 when
+    everything fits as is, every layer when even that does not (the plan
+    then says what else to change). Each checkpointed layer costs ~1/3 of its
+    compute again, so no more are checkpointed than memory needs."""
+    lo, hi = 0, m.layers
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if _fits(m, k, device_bytes, ckpt_layers=mid) else (mid + 1, hi)
+    return lo
 
 
 def _fits(m: ModelShape, k: _Knobs, device_bytes: int, **change) -> bool:
@@ -489,9 +523,11 @@ def advice(m: ModelShape, k: _Knobs, device_bytes: int) -> list[str]:
                    "micro-batch of its own)")
     if k.chunk > 512 and _fits(m, k, device_bytes, chunk=512):
         out.append("trainer.logprob_chunk_tokens = 512")
-    if not k.ckpt and _fits(m, k, device_bytes, ckpt=True):
+    every = dict(ckpt_layers=m.layers)
+    if k.ckpt_layers < m.layers and _fits(m, k, device_bytes, **every):
         out.append("trainer.activation_checkpointing = true (~30% more compute)")
-    elif not k.ckpt and (n_ck := largest_micro_batch(m, msgspec.structs.replace(k, ckpt=True), device_bytes)) > n \
+    elif k.ckpt_layers < m.layers and (n_ck := largest_micro_batch(m, msgspec.structs.replace(k, **every),
+                                                                    device_bytes)) > n \
             and n_ck >= k.max_len:
         out.append(f"trainer.activation_checkpointing = true with trainer.micro_batch_tokens = {n_ck // 256 * 256} "
                    "or less")
@@ -516,7 +552,7 @@ def advice(m: ModelShape, k: _Knobs, device_bytes: int) -> list[str]:
 def _together(m: ModelShape, k: _Knobs, device_bytes: int, ranks: bool) -> list[str]:
     """The cumulative changes, cheapest first, that fit together; [] if none."""
     steps = [('trainer.optim.adamw_impl = "fused"', dict(adamw_impl="fused")),
-             ("trainer.activation_checkpointing = true", dict(ckpt=True)),
+             ("trainer.activation_checkpointing = true", dict(ckpt_layers=m.layers)),
              ("trainer.logprob_chunk_tokens = 512", dict(chunk=min(k.chunk, 512)))]
     steps += [(f"trainer.parallel.ranks = {r}", dict(ranks=r)) for r in (2, 4, 8) if ranks and r > k.ranks]
     steps = [(text, change) for text, change in steps

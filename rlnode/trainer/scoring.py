@@ -111,6 +111,118 @@ def chunked_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch
 
 
 # ---------------------------------------------------------------------------
+# The fused head (trainer.logprob_head = "fused")
+#
+# Every term of policy_loss but gspo's sequence ratio reads only its own
+# token, so the loss's per-token gradients
+#   g_n = dL/dlogp_n,  e_n = dL/dH_n
+# are known as soon as chunk c's logp and H are. Each chunk's backward then
+# runs right after its forward, with its logits still in hand:
+#   dL/dz_n = (g_n (onehot(y_n) - pi_n) - e_n pi_n (log pi_n + H_n)) / T_n     [V]
+#   dL/dh_n = W^T dL/dz_n                                                      [H]
+#   dL/dW  += sum_n dL/dz_n h_n^T                                              [V, H]
+# (z_n = W h_n, the raw logits; pi_n = softmax(z_n / T_n)). The head costs
+# 6 N H V FLOPs instead of the checkpointed chunks' 8 (forward, recompute,
+# two backward products), no [c, V] tensor outlives its chunk, and the
+# autograd backward only scales the stored dL/dh and dL/dW by the incoming
+# gradient (1 for the loss).
+
+
+class TokenLoss(NamedTuple):
+    """What the fused head needs from the loss for tokens [a, b) of the flat
+    order: ``fn(lp, ent, a, b) -> (loss, metrics)``, lp/ent [b - a] leaves
+    to differentiate, loss a scalar (this chunk's share of the step's),
+    metrics a policy_loss figures dict; ``entropy_grad``: the loss reads H."""
+
+    fn: object
+    entropy_grad: bool
+
+
+class FusedHeadLoss(torch.autograd.Function):
+    """(hidden [N, H], weight = head.weight) -> (loss, logp [N], entropy [N]),
+    logp/entropy without gradient (figures). The chunks' metrics land in
+    ``metrics`` (a list the caller passes)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, head, targets, temps, chunk, fp32_head, token_loss, metrics):
+        grad_h = torch.empty_like(hidden, dtype=torch.float32)
+        grad_w = torch.zeros_like(weight, dtype=torch.float32) if weight.requires_grad else None
+        total = hidden.new_zeros((), dtype=torch.float32)
+        lps, ents = [], []
+        for a in range(0, hidden.shape[0], chunk):
+            b = min(a + chunk, hidden.shape[0])
+            h, y, t = hidden[a:b], targets[a:b], temps[a:b, None]
+            if fp32_head:
+                with torch.autocast(h.device.type, enabled=False):
+                    z = _at_least_fp32(head(h.to(weight.dtype)))  # [c, V]
+            else:
+                z = _at_least_fp32(head(h))  # [c, V]: under autocast, bf16 products
+            logp = torch.log_softmax(z / t, -1)  # [c, V]
+            del z
+            p = logp.exp()
+            lp = logp.gather(1, y[:, None])[:, 0]  # [c]
+            ent = -(p * logp).sum(-1)  # [c]
+            with torch.enable_grad():
+                lp_leaf, ent_leaf = lp.detach().requires_grad_(), ent.detach().requires_grad_()
+                loss, figures = token_loss.fn(lp_leaf, ent_leaf, a, b)
+                g, e = torch.autograd.grad(loss, (lp_leaf, ent_leaf), allow_unused=True)
+            g = torch.zeros_like(lp) if g is None else g
+            total += loss.detach()
+            metrics.append(figures)
+            # dL/dz (formula above) = -pi (g + e (log pi + H)) + g onehot(y),
+            # built in place of logp and p: [c, V]
+            if e is not None and token_loss.entropy_grad:
+                coef = logp.add_(ent[:, None]).mul_(e[:, None]).add_(g[:, None])
+            else:
+                coef = g[:, None]
+            dz = p.mul_(coef).neg_()
+            dz[torch.arange(b - a, device=dz.device), y] += g  # + g onehot(y)
+            dz.div_(t)
+            # The backward products in the forward's precision: fp32, or the
+            # autocast dtype as autocast's own backward would run them.
+            mixed = not fp32_head and torch.is_autocast_enabled(h.device.type)
+            w = weight.to(torch.get_autocast_dtype(h.device.type)) if mixed else weight
+            dzc = dz.to(w.dtype)
+            grad_h[a:b] = dzc @ w
+            if grad_w is not None:
+                grad_w.addmm_(dzc.t(), h.to(w.dtype)) if w.dtype == torch.float32 else \
+                    grad_w.add_((dzc.t() @ h.to(w.dtype)).float())
+            del dz, dzc, logp, p
+            lps.append(lp)
+            ents.append(ent)
+        ctx.save_for_backward(grad_h, grad_w if grad_w is not None else torch.empty(0))
+        ctx.has_w, ctx.h_dtype, ctx.w_dtype = grad_w is not None, hidden.dtype, weight.dtype
+        out_lp = torch.cat(lps) if lps else hidden.new_zeros(0, dtype=torch.float32)
+        out_ent = torch.cat(ents) if ents else hidden.new_zeros(0, dtype=torch.float32)
+        ctx.mark_non_differentiable(out_lp, out_ent)
+        return total, out_lp, out_ent
+
+    @staticmethod
+    def backward(ctx, g_loss, _g_lp, _g_ent):
+        grad_h, grad_w = ctx.saved_tensors
+        gh = (grad_h * g_loss).to(ctx.h_dtype)
+        gw = (grad_w * g_loss).to(ctx.w_dtype) if ctx.has_w else None
+        return gh, gw, None, None, None, None, None, None, None
+
+
+def fused_head_loss(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temps: torch.Tensor,
+                    chunk: int, token_loss: TokenLoss,
+                    fp32_head: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[dict]]:
+    """hidden [N, H] (final hidden state at the positions predicting
+    ``targets`` [N]) -> (loss carrying the gradient to hidden and the head
+    weight, logp [N], entropy [N], the chunks' loss figures). The head must
+    be one weight matrix without bias (an lm head)."""
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    if getattr(head, "bias", None) is not None:
+        raise ValueError("the fused head takes an lm head without bias")
+    metrics: list[dict] = []
+    loss, lp, ent = FusedHeadLoss.apply(hidden, head.weight, head, targets, temps, chunk, fp32_head, token_loss,
+                                        metrics)
+    return loss, lp, ent, metrics
+
+
+# ---------------------------------------------------------------------------
 # Forward rows and micro-batches
 
 

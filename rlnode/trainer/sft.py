@@ -129,7 +129,7 @@ class SftTrainer:
             hidden = model.base_model(**inp.kwargs).last_hidden_state  # [R, L, H] or [1, S, H]
             logp, _ = chunked_logprobs(model.get_output_embeddings(), hidden.reshape(-1, hidden.shape[-1])[f_i],
                                        inp.ids[f_i + 1], torch.ones(len(f_idx), device=lrn.device),
-                                       t.logprob_chunk_tokens, fp32_head=t.precision == "bf16-mixed",
+                                       t.logprob_chunk_tokens, fp32_head=lrn.fp32_head,
                                        entropy_grad=False)  # [N]
         return -logp.sum()
 
