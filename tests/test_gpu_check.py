@@ -25,12 +25,28 @@ def test_the_plan_names_every_step_and_marks_the_cuda_ones():
                      "weights_nccl_untied  [cuda only]", "weights_nccl_tied  [cuda only]",
                      "weights_cuda_ipc_untied  [cuda only]", "weights_cuda_ipc_tied  [cuda only]", "lora",
                      "trainer_qwen3-0.6b  [cuda only]", "trainer_qwen3-1.7b  [cuda only]",
-                     "trainer_tiny", "gateway", "gateway_capacity", "run"]
+                     "trainer_mfu  [cuda only]", "trainer_tiny", "gateway", "gateway_capacity", "run"]
     assert "--backend cuda_ipc" in out.stdout and "--preset qwen3-1.7b" in out.stdout
     assert "trainer.max_steps=20" in out.stdout
     (lora,) = [line for line in out.stdout.splitlines() if " weights " in line and "--lora" in line]
     assert "--lora --lora-rank 16" in lora and "--json" in lora and "trainer.parallel.ranks=1" in lora
     assert "bench gateway" in out.stdout and "--max-tokens 1" in out.stdout
+    (mfu,) = [line for line in out.stdout.splitlines() if " bench trainer " in line and "--switches" in line]
+    assert "--preset" not in mfu and "qwen3-1.7b" in mfu and "--tokens-per-step 16384" in mfu
+
+
+def test_trainer_mfu_passes_at_the_bar_with_the_peak_within_the_plan():
+    """Issue 49's device check: MFU >= 0.35 and peak <= 1.1x the plan's."""
+    from rlnode.tools.gpu_check import mfu_verdict
+
+    def res(mfu, peak, plan=93.1):
+        return {"rlnode": {"mfu": mfu, "peak_mem_gib": peak}, "predicted_peak_gib": plan}
+
+    ok, why = mfu_verdict(res(0.390, 63.5))  # the H200's figures of 2026-11-28
+    assert ok and why.startswith("MFU 0.390 (>= 0.35)") and "within" in why
+    assert mfu_verdict(res(0.34, 63.5)) == (False, "MFU 0.340 (< 0.35), peak 63.5 GiB vs plan 93.1 GiB (within 1.10x)")
+    assert not mfu_verdict(res(0.39, 63.5, plan=35.6))[0]  # over the plan: the plan is wrong
+    assert not mfu_verdict(res(None, None))[0] and not mfu_verdict(None)[0]
 
 
 def test_a_cpu_dry_run_writes_one_report(tmp_path):

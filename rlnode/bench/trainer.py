@@ -196,12 +196,15 @@ def switch_variants(cfg: Config, device_type: str) -> list[tuple[str, dict]]:
     out = [("checkpoint every layer", dict(activation_checkpointing=True)),
            ("checkpoint none", dict(activation_checkpointing=False)),
            ("compile " + ("off" if compiled else "on"), dict(compile=not compiled)),
-           ("attention sdpa (padded rows)", dict(attention="sdpa"))]
+           ("attention sdpa (padded rows)", dict(attention="sdpa")),
+           ("attention varlen (packed)", dict(attention="varlen"))]
     out.append(("logprob head chunked" if t.logprob_head != "chunked" else "logprob head fused",
                 dict(logprob_head="chunked" if t.logprob_head != "chunked" else "fused")))
     if t.precision == "bf16-mixed":
         flip = "bf16" if t.head_precision == "fp32" else "fp32"
         out.append((f"head {flip}", dict(head_precision=flip)))
+    if t.precision == "fp32" and device_type == "cuda":  # varlen takes bf16 compute on cuda
+        out = [(name, sets) for name, sets in out if sets.get("attention") != "varlen"]
     return [(name, sets) for name, sets in out if any(getattr(t, k) != v for k, v in sets.items())]
 
 

@@ -311,10 +311,10 @@ class TrainerConfig(Section):
     # The lm head under precision "bf16-mixed": "fp32" computes the logits
     # from the fp32 master head (the engines' actor.engine.fp32_lm_head
     # computes the same: the logprob parity of a bf16 run); "bf16" under
-    # autocast like the decoder, about 14x the fp32 rate on an H200 (bf16
-    # tensor cores vs fp32 CUDA cores; the head is ~40% of a fp32-head step
-    # at Qwen3's vocabulary) and ~0.02 nats from the fp32 head's log-probs:
-    # pair it with actor.engine.fp32_lm_head = false. Precision "bf16"
+    # autocast like the decoder: 14x the fp32 head's matmul rate on an H200
+    # (bf16 tensor cores vs fp32 CUDA cores), a 16k-token Qwen3-1.7B step
+    # 0.70 -> 0.44 s, and up to ~0.02 nats from the fp32 head's log-probs at
+    # Qwen3's vocabulary: pair it with actor.engine.fp32_lm_head = false. Precision "bf16"
     # always computes a bf16 head, "fp32" an fp32 one.
     head_precision: Literal["fp32", "bf16"] = "fp32"
     # How token log-probs and entropy meet the loss: "chunked" computes them
@@ -334,9 +334,9 @@ class TrainerConfig(Section):
     activation_checkpointing: bool | Literal["auto"] = "auto"
     # Each decoder layer under torch.compile (Inductor fuses the norms,
     # rotary, SwiGLU and autocast casts): "auto" = on cuda only, where
-    # `rlnode bench trainer` measured the gain (Qwen3-1.7B on an H200: 1.17
-    # -> 0.95 s per 16k-token step); the first steps of each new shape pay
-    # the compile. true/false force it on/off.
+    # `rlnode bench trainer --switches` measured the gain (Qwen3-1.7B on an
+    # H200: 0.67 -> 0.44 s per 16k-token step, 88 -> 64 GiB); the first
+    # steps of each new shape pay the compile. true/false force it on/off.
     compile: bool | Literal["auto"] = "auto"
     # Trainer memory plan (rlnode/trainer/memory_plan.py), checked on cuda
     # against the GPU's free memory before the model loads: "enforce"
