@@ -41,10 +41,13 @@ def test_auto_picks_flash_attention_only_for_bf16_compute_on_cuda(flash_attn_ins
     assert attention_implementation("eager", cuda, "bf16") == "eager"
 
 
-def test_auto_falls_back_to_sdpa_without_flash_attn(monkeypatch):
+def test_auto_falls_back_to_pytorchs_varlen_kernel_without_flash_attn(monkeypatch):
+    from rlnode.trainer.attention import VARLEN
+
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "flash_attn" else real(name, *a))
-    assert attention_implementation("auto", torch.device("cuda"), "bf16-mixed") == "sdpa"
+    assert attention_implementation("auto", torch.device("cuda"), "bf16-mixed") == VARLEN
+    assert attention_implementation("auto", torch.device("cuda"), "fp32") == "sdpa"
     with pytest.raises(ConfigError, match=r"trainer\.attention.*flash_attn package"):
         attention_implementation("flash_attention_2", torch.device("cuda"), "bf16-mixed")
 

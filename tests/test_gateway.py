@@ -41,7 +41,7 @@ def make_gateway(mode, engine, tokenizer, tiny_model_dir):
     """The gateway in ``mode``: inline (a ChatRenderer of the test's
     tokenizer) or a host process (which builds the same from the model dir)."""
 
-    def make(router, settings=SETTINGS, model_name="rlnode"):
+    def make(router, settings=SETTINGS, model_name="rlnode", engine=engine):
         client = LLMClient([engine], router)
         if mode == "process":
             return HostedGateway(client, ModelConfig(path=str(tiny_model_dir)), settings, model_name=model_name)
@@ -251,25 +251,50 @@ async def test_limits_are_checked_before_tokenizing(engine, tokenizer, router, m
         await client.close()
 
 
-async def test_a_call_that_finishes_late_does_not_rewind_the_history(gateway, hf_model):
+class HeldEngine:
+    """The real engine, with the calls of ``max_tokens`` held at a gate the
+    test opens: which of two calls finishes first is the test's choice,
+    not the clock's."""
+
+    def __init__(self, engine, max_tokens: int):
+        self.engine, self.max_tokens = engine, max_tokens
+        self.arrived, self.release = asyncio.Event(), asyncio.Event()
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    async def generate(self, prompt_token_ids, sampling, **kwargs):
+        if sampling.max_tokens == self.max_tokens:
+            self.arrived.set()
+            await self.release.wait()
+        return await self.engine.generate(prompt_token_ids, sampling, **kwargs)
+
+
+async def test_a_call_that_finishes_late_does_not_rewind_the_history(make_gateway, engine, router, hf_model):
     """Two calls of one episode in flight at once: the earlier-started one
-    (long) finishes after the later one (short). The history stays the
-    later call's, so the agent's next call extends it, token for token."""
-    async with gateway.session("ep-race") as s:
-        client = client_for(s)
-        slow = asyncio.create_task(client.chat.completions.create(
-            model="m", messages=[{"role": "user", "content": "long"}], max_tokens=16))
-        while not s._inflight:
-            await asyncio.sleep(0.002)
-        messages = [{"role": "user", "content": "short"}]
-        quick = await client.chat.completions.create(model="m", messages=messages, max_tokens=1)
-        await slow
-        assert [c.step_index for c in s.calls] == [1, 0]  # the short call finished first
-        messages += [quick.choices[0].message, {"role": "user", "content": "next"}]
-        await client.chat.completions.create(model="m", messages=messages, max_tokens=2)
-        await client.close()
+    (long) is held in the engine until the later one (short) has returned.
+    The history stays the later call's, so the agent's next call extends
+    it, token for token."""
+    held = HeldEngine(engine, max_tokens=16)
+    gw = make_gateway(router, model_name="tiny", engine=held)
+    async with gw.serve():
+        async with gw.session("ep-race") as s:
+            client = client_for(s)
+            slow = asyncio.create_task(client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "long"}], max_tokens=16))
+            await asyncio.wait_for(held.arrived.wait(), 60)  # the long call is in, held
+            messages = [{"role": "user", "content": "short"}]
+            quick = await client.chat.completions.create(model="m", messages=messages, max_tokens=1)
+            held.release.set()
+            await slow
+            assert [c.step_index for c in s.calls] == [1, 0]  # the short call finished first
+            messages += [quick.choices[0].message, {"role": "user", "content": "next"}]
+            await client.chat.completions.create(model="m", messages=messages, max_tokens=2)
+            await client.close()
     assert s.history_resets == 0 and not s.calls[-1].history_reset
     check_parity([s.calls[0], s.calls[2]], hf_model)
+    assert router.in_flight == [0]
+    await assert_engine_idle(engine)
 
 
 async def test_env_step_without_an_environment_is_404(gateway, tmp_path):

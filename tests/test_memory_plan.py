@@ -39,9 +39,10 @@ BASE_4B = ('trainer.precision="bf16-mixed"', 'trainer.optim.adamw_impl="foreach"
 
 
 def config(*sets):
-    # Checkpointing off unless a test sets it (the plan's terms as measured).
+    # Checkpointing off and the chunked head unless a test sets them (the
+    # plan's terms as measured).
     return load_config(None, ["model.max_model_len=2048", "actor.sampling.max_tokens=1536",
-                              "trainer.activation_checkpointing=false", *sets])
+                              "trainer.activation_checkpointing=false", 'trainer.logprob_head="chunked"', *sets])
 
 
 def plan4b(*sets, device=H100_FREE):
@@ -303,3 +304,20 @@ def test_auto_checkpointing_recomputes_the_fewest_layers_that_fit():
     # Where not even every layer fits, auto checkpoints all and says what else to change.
     tight = plan('"auto"', every.total - GiB)
     assert tight.checkpoint_layers == 28 and tight.verdict == "does_not_fit" and tight.advice
+
+
+def test_the_fused_head_holds_the_heads_gradients_instead_of_recomputing():
+    """trainer.logprob_head = "fused": no [chunk, vocab] recompute in
+    backward, but dL/dW (fp32 [V, H]) and dL/dh (fp32 [T, H]) from the head's
+    forward to the start of backward."""
+    shape = ModelShape.from_config(QWEN3_1_7B)
+    sets = ('trainer.precision="bf16-mixed"', "trainer.micro_batch_tokens=16384")
+    chunked = plan_for_config(config(*sets), 200 * GiB, shape=shape)
+    fused = plan_for_config(config(*sets, 'trainer.logprob_head="fused"'), 200 * GiB, shape=shape)
+    grads = 151936 * 2048 * 4 + 16384 * 2048 * 4
+    assert fused.phases["forward"] - chunked.phases["forward"] == grads
+    assert fused.logits == grads  # what the head holds in backward
+    # gspo cannot run fused: planned chunked.
+    gspo = plan_for_config(config(*sets, 'trainer.logprob_head="auto"', 'trainer.loss.kind="gspo"'), 200 * GiB,
+                           shape=shape)
+    assert gspo.phases == chunked.phases

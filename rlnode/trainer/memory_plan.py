@@ -308,6 +308,10 @@ class _Knobs(msgspec.Struct, kw_only=True):
     lora_rank: int = 0  # trainer.lora.rank; 0 = full fine-tuning
     lora_targets: tuple[str, ...] = ()
     lora_dropout: bool = False
+    # trainer.logprob_head runs fused (scoring.FusedHeadLoss): no recompute
+    # in backward, but dL/dW [V, H] and dL/dh [T, H] (fp32) held from the
+    # head's forward to the start of backward.
+    fused_head: bool = False
 
 
 def _state_terms(m: ModelShape, k: _Knobs) -> dict[str, int]:
@@ -365,6 +369,10 @@ def _activation_terms(m: ModelShape, k: _Knobs) -> dict[str, int]:
     c = min(k.ckpt_layers, m.layers)
     kept = outside + c * r * m.hidden * T + (m.layers - c) * layer
     unit = min(k.chunk, T) * m.vocab * 4
+    if k.fused_head:
+        grads = (m.vocab * m.hidden * 4 if not k.lora_rank else 0) + T * m.hidden * 4
+        return dict(kept=kept, layer=(2 if c else 1) * layer, head_fwd=HEAD_FORWARD_TENSORS * unit + grads,
+                    head_bwd=grads)
     return dict(kept=kept, layer=(2 if c else 1) * layer, head_fwd=HEAD_FORWARD_TENSORS * unit,
                 head_bwd=HEAD_BACKWARD_TENSORS * unit)
 
@@ -448,7 +456,9 @@ def knobs_for_config(cfg: Config, *, ranks: int | None = None, tokens: int | Non
                   max_len=max_len, chunk=t.logprob_chunk_tokens,
                   ckpt_layers=ALL_LAYERS if t.activation_checkpointing in (True, "auto") else 0,
                   eager=t.attention == "eager", kl=t.loss.kl_coef > 0, lora_rank=t.lora.rank,
-                  lora_targets=tuple(t.lora.target_modules), lora_dropout=t.lora.dropout > 0)
+                  lora_targets=tuple(t.lora.target_modules), lora_dropout=t.lora.dropout > 0,
+                  fused_head=t.logprob_head != "chunked" and t.loss.kind != "gspo" and not t.lora.rank
+                  and (ranks if ranks is not None else t.parallel.ranks) <= 1)
 
 
 def plan_for_config(cfg: Config, device_bytes: int, *, ranks: int | None = None, tokens: int | None = None,

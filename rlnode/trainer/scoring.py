@@ -199,9 +199,11 @@ class FusedHeadLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_loss, _g_lp, _g_ent):
+        # In place: the saved gradients are used once (no double backward),
+        # and a second [V, H] fp32 tensor would add to backward's peak.
         grad_h, grad_w = ctx.saved_tensors
-        gh = (grad_h * g_loss).to(ctx.h_dtype)
-        gw = (grad_w * g_loss).to(ctx.w_dtype) if ctx.has_w else None
+        gh = grad_h.mul_(g_loss).to(ctx.h_dtype)
+        gw = grad_w.mul_(g_loss).to(ctx.w_dtype) if ctx.has_w else None
         return gh, gw, None, None, None, None, None, None, None
 
 

@@ -78,9 +78,10 @@ class StepFigures:
 
 def learner_config(cfg: Config, total_steps: int) -> Config:
     """The Learner's view of an SFT job: the lr schedule over the SFT's
-    steps, no RL loss term that would load a second model (KL), and rows
-    up to sft.max_length tokens for the memory plan."""
-    t = msgspec.structs.replace(cfg.trainer, max_steps=total_steps, loss=LossConfig())
+    steps, no RL loss term that would load a second model (KL), rows up to
+    sft.max_length tokens for the memory plan, and the chunked head it
+    scores with (nll_sum: the plan counts its recompute)."""
+    t = msgspec.structs.replace(cfg.trainer, max_steps=total_steps, loss=LossConfig(), logprob_head="chunked")
     m = msgspec.structs.replace(cfg.model, max_model_len=cfg.sft.max_length)
     return msgspec.structs.replace(cfg, trainer=t, model=m)
 
