@@ -308,10 +308,7 @@ class _Knobs(msgspec.Struct, kw_only=True):
     lora_rank: int = 0  # trainer.lora.rank; 0 = full fine-tuning
     lora_targets: tuple[str, ...] = ()
     lora_dropout: bool = False
-    # trainer.logprob_head runs fused (scoring.FusedHeadLoss): no recompute
-    # in backward, but dL/dW [V, H] and dL/dh [T, H] (fp32) held from the
-    # head's forward to the start of backward.
-    fused_head: bool = False
+    fused_head: bool = False  # scoring.FusedHeadLoss: no recompute; fp32 dL/dW, dL/dh held until backward
 
 
 def _state_terms(m: ModelShape, k: _Knobs) -> dict[str, int]:
@@ -470,9 +467,8 @@ def plan_for_config(cfg: Config, device_bytes: int, *, ranks: int | None = None,
     micro-batch (default max(micro_batch_tokens, max_model_len), or, with
     micro_batch_tokens = 0, micro_batch_size x max_model_len: a worst case,
     verdict "may_not_fit" where only it does not fit). shape: default read
-    from model.path/config.json. checkpoint_layers: plan with that many
-    layers checkpointed (what a learner chose), not the config's choice.
-    Raises UnsupportedModel."""
+    from model.path/config.json. checkpoint_layers: what a learner chose
+    (else the config's). Raises UnsupportedModel."""
     m = shape if shape is not None else ModelShape.from_dir(cfg.model.path)
     k = knobs_for_config(cfg, ranks=ranks, tokens=tokens, device_type=device_type)
     k = msgspec.structs.replace(k, ckpt_layers=min(k.ckpt_layers, m.layers))
@@ -494,11 +490,9 @@ ALL_LAYERS = 1 << 30
 
 
 def fewest_checkpointed_layers(m: ModelShape, k: _Knobs, device_bytes: int) -> int:
-    """trainer.activation_checkpointing = "auto": the fewest decoder layers
-    to recompute in backward for the plan (reserve included) to fit: 0 when
-    everything fits as is, every layer when even that does not (the plan
-    then says what else to change). Each checkpointed layer costs ~1/3 of its
-    compute again, so no more are checkpointed than memory needs."""
+    """activation_checkpointing = "auto": the fewest layers to recompute for
+    the plan (reserve included) to fit; every layer when even that does not
+    (the plan's advice then says what else). Each costs ~1/3 of its compute."""
     lo, hi = 0, m.layers
     while lo < hi:
         mid = (lo + hi) // 2
