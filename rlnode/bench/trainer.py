@@ -179,7 +179,7 @@ def _mode(step_s: float, peak: float | None, tokens: int, params: int, flops: fl
 
 def learner_setup(learner) -> str:
     t = learner.cfg.trainer
-    head = "fp32" if t.precision == "fp32" or (t.precision == "bf16-mixed" and t.head_precision == "fp32") else "bf16"
+    head = "fp32" if t.precision == "fp32" or learner.fp32_head else "bf16"
     layers = learner.model.config.num_hidden_layers
     return (f"attention {learner.attn_impl}, checkpoint {learner.checkpoint_layers}/{layers} layers, "
             f"{'compiled' if learner.compiled else 'eager'}, head {head} {'fused' if learner.fused_head else 'chunked'}")
@@ -191,8 +191,10 @@ def switch_variants(cfg: Config, device_type: str) -> list[tuple[str, dict]]:
     sdpa instead of a varlen kernel, the chunked (recomputed) log-prob head
     instead of the fused one, the head's precision flipped under
     bf16-mixed. A variant that resolves to the config's setup is left out."""
+    from rlnode.trainer.learner import compiles_layers
+
     t = cfg.trainer
-    compiled = t.compile is True or (t.compile == "auto" and device_type == "cuda")
+    compiled = compiles_layers(t.compile, device_type)
     out = [("checkpoint every layer", dict(activation_checkpointing=True)),
            ("checkpoint none", dict(activation_checkpointing=False)),
            ("compile " + ("off" if compiled else "on"), dict(compile=not compiled)),

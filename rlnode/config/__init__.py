@@ -47,7 +47,8 @@ from rlnode.config.checks import (
     check_cross_field,
     max_group_bytes,
 )
-from rlnode.config.derived import VLLM_LORA_RANKS, actor_node_id, effective_max_lag, engine_lora_rank, groups_in_flight
+from rlnode.config.derived import (VLLM_LORA_RANKS, actor_node_id, effective_max_lag, engine_lora_rank,
+                                   fused_head_blocker, groups_in_flight)
 from rlnode.config.load import load_config, parse_override, to_toml_dict
 from rlnode.config.sections import Config, HttpConfig, LinkConfig, ModelConfig, RunConfig
 from rlnode.config.sft import SftConfig, check_sft_job
@@ -100,6 +101,7 @@ __all__ = [
     "check_cross_field",
     "check_sft_job",
     "effective_max_lag",
+    "fused_head_blocker",
     "groups_in_flight",
     "load_config",
     "max_group_bytes",

@@ -47,6 +47,17 @@ def engine_lora_rank(cfg: Config) -> int:
     return cfg.actor.engine.max_lora_rank or next((r for r in VLLM_LORA_RANKS if r >= rank), rank)
 
 
+def fused_head_blocker(t, sharded: bool) -> str:
+    """Why trainer.logprob_head cannot run fused (scoring.FusedHeadLoss) for
+    trainer section ``t``, or "" where it can: the loss or the head must
+    split per token. ``sharded``: FSDP2 ranks hold the head's weight."""
+    if t.loss.kind == "gspo":
+        return 'loss.kind = "gspo" (its sequence ratio reads every token of a sample)'
+    if t.lora.rank > 0:
+        return "trainer.lora.rank > 0"
+    return "trainer.parallel.ranks > 1 (FSDP2 shards the head)" if sharded else ""
+
+
 def chat_template_text(model: ModelConfig) -> str | None:
     """``model.chat_template``'s Jinja text, or None for the tokenizer's own;
     a ConfigError naming the key when the file is missing. The actor's

@@ -16,12 +16,12 @@ the row alone, right-padded or unpadded, computes for its real tokens.
         varlen kernel, torch >= 2.9), causal through ``window_size = (-1, 0)``
         (torch 2.11+) or ``is_causal`` (2.9/2.10, by signature). It takes
         fp16/bf16 only: q/k are cast to v's dtype, the autocast dtype
-        (Qwen3's q/k norms hand fp32 to the kernel under bf16 autocast). Key/value heads
-        are repeated to the query heads where the signature has no
-        ``enable_gqa``.
+        (Qwen3's q/k norms hand fp32 to the kernel under bf16 autocast).
+        Key/value heads are repeated to the query heads where the signature
+        has no ``enable_gqa``.
   cpu:  one ``scaled_dot_product_attention(is_causal=True)`` per row slice:
         the same arithmetic as the padded layout's kernel on the real
-        tokens, so the layouts agree exactly in fp32 (tests/test_varlen_attention.py).
+        tokens, so the layouts agree exactly in fp32 (tests/test_trainer_kernels.py).
 
 Registered with transformers' AttentionInterface under ``VARLEN`` (and
 flash attention's mask function, which builds no [S, S] mask), so
@@ -107,6 +107,12 @@ def _per_row(q, k, v, cu, scale: float | None) -> torch.Tensor:
         o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
         out.append(o[0].transpose(0, 1))  # [n, Hq, D]
     return torch.cat(out)
+
+
+def is_varlen(attn_impl: str) -> bool:
+    """transformers attn_implementations that take one packed sequence with
+    cumulative row lengths (scoring.packed_inputs)."""
+    return attn_impl.startswith("flash_attention") or attn_impl == VARLEN
 
 
 def register() -> str:

@@ -37,7 +37,7 @@ import msgspec
 import numpy as np
 import torch
 
-from rlnode.config import Config, ConfigError
+from rlnode.config import Config, ConfigError, fused_head_blocker
 from rlnode.trainer import attention as varlen_attention
 from rlnode.trainer.buffer import Batch
 from rlnode.trainer.loss import LossInputs, LossOutput, mismatch_figures, policy_loss
@@ -180,24 +180,22 @@ def attention_implementation(choice: str, device: torch.device, precision: str) 
     return choice
 
 
-def is_varlen(attn_impl: str) -> bool:
-    """Kernels that take one packed sequence with cumulative row lengths."""
-    return attn_impl.startswith("flash_attention") or attn_impl == varlen_attention.VARLEN
-
-
 def logprob_head(t, sharded: bool) -> bool:
     """Whether trainer.logprob_head runs fused (scoring.FusedHeadLoss) or
     chunked with recompute. "fused" is refused, naming the key, where the
     loss or the head cannot be split per token: loss.kind = "gspo" (a
     sequence ratio), a LoRA run (the head may be adapted), FSDP2 ranks
     (sharded head weight). "auto": fused wherever it can run."""
-    why = ('loss.kind = "gspo" (its sequence ratio reads every token of a sample)' if t.loss.kind == "gspo" else
-           "trainer.lora.rank > 0" if t.lora.rank > 0 else
-           "trainer.parallel.ranks > 1 (FSDP2 shards the head)" if sharded else "")
+    why = fused_head_blocker(t, sharded)
     if t.logprob_head == "fused" and why:
         raise ConfigError(f'trainer.logprob_head: "fused" cannot run with {why}; set trainer.logprob_head = '
                           '"chunked" or "auto"')
     return t.logprob_head == "fused" or (t.logprob_head == "auto" and not why)
+
+
+def compiles_layers(choice: bool | str, device_type: str) -> bool:
+    """trainer.compile = ``choice``: "auto" compiles on cuda only."""
+    return choice is True or (choice == "auto" and device_type == "cuda")
 
 
 def checkpoint_layers(choice: bool | str, plan, layers: int) -> int:
@@ -238,7 +236,7 @@ class Learner:
         self.attn_impl = attention_implementation(t.attention, self.device, t.precision)
         # One concatenated sequence per token-budget micro-batch only for a
         # varlen kernel; any other gets padded rows (scoring.py: layouts).
-        self.varlen = is_varlen(self.attn_impl)
+        self.varlen = varlen_attention.is_varlen(self.attn_impl)
         # Before any weight is on the device: a config that cannot fit is
         # refused with its numbers instead of running out of memory later.
         ranks = torch.distributed.get_world_size() if shard is not None and torch.distributed.is_initialized() else 1
@@ -261,7 +259,7 @@ class Learner:
         # (trainer.head_precision = "fp32"), else in the compute dtype.
         self.fp32_head = t.precision == "bf16-mixed" and t.head_precision == "fp32"
         self.fused_head = logprob_head(t, sharded=shard is not None)
-        self.compiled = t.compile is True or (t.compile == "auto" and self.device.type == "cuda")
+        self.compiled = compiles_layers(t.compile, self.device.type)
         if self.compiled:
             # Per layer, not the whole model: one graph every layer shares
             # (same code, parameters as inputs), checkpointing and FSDP2's
@@ -365,14 +363,17 @@ class Learner:
         return (hidden.reshape(-1, hidden.shape[-1])[f_i], inp.ids[f_i + 1],
                 torch.tensor(temps, device=self.device), where)
 
-    def _layout(self, samples, where, *flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Flat per-token values -> [B, T] each, then the [B, T] mask."""
+    def _layout(self, samples, where, *flat: torch.Tensor) -> list[torch.Tensor]:
+        """Flat per-token values -> [B, T] each."""
         T = max(len(s.completion_token_ids) for s in samples)
-        out = [torch.zeros(len(samples), T, device=self.device).index_put(where, x) for x in flat]
-        mask = torch.zeros(len(samples), T)
+        return [torch.zeros(len(samples), T, device=self.device).index_put(where, x) for x in flat]
+
+    def _mask(self, samples) -> torch.Tensor:
+        """[B, T]: 1 = a trained completion token."""
+        mask = torch.zeros(len(samples), max(len(s.completion_token_ids) for s in samples))
         for k, s in enumerate(samples):
             mask[k, : len(s.completion_token_ids)] = torch.from_numpy(s.completion_mask.astype("float32"))
-        return (*out, mask.to(self.device))
+        return mask.to(self.device)
 
     def token_logprobs(self, model, samples, entropy_grad: bool = False, rows: list[PackedRow] | None = None) -> Scored:
         """log pi(completion token) for every sample, padded to [B, T], with
@@ -393,8 +394,8 @@ class Learner:
                                      entropy_grad=entropy_grad)  # [N], [N]
         if not (entropy_grad and torch.is_grad_enabled()):
             h = h.detach()
-        out, ent, mask = self._layout(samples, where, lp, h)
-        return Scored(out, mask, ent)
+        out, ent = self._layout(samples, where, lp, h)
+        return Scored(out, self._mask(samples), ent)
 
     def fused_loss(self, samples, rows, mu: torch.Tensor, adv: torch.Tensor, lag: torch.Tensor,
                    ref: torch.Tensor | None, loss_cfg, normalizer: float):
@@ -407,7 +408,7 @@ class Learner:
         model = causal_lm(self.model)
         with self._autocast():
             hidden, targets, temps, where = self._scoring_inputs(model, samples, rows)
-            mask = self._layout(samples, where)[0]
+            mask = self._mask(samples)
             k, col = where
             # Per token, in the flat order: one token per loss row ([N, 1]).
             tok = dict(mu=mu[k, col], mask=mask[k, col], lag=lag[k, col], adv=adv[k],
@@ -427,7 +428,7 @@ class Learner:
             loss, lp, ent, parts = fused_head_loss(model.get_output_embeddings(), hidden, targets, temps,
                                                    t.logprob_chunk_tokens, TokenLoss(chunk_loss, loss_cfg.entropy_term),
                                                    fp32_head=self.fp32_head)
-        logp, entropy = self._layout(samples, where, lp, ent)[:2]
+        logp, entropy = self._layout(samples, where, lp, ent)
         return loss, logp, entropy, mask, parts
 
     # -- one optimizer step ---------------------------------------------------------

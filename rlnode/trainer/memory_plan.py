@@ -80,7 +80,7 @@ from typing import Literal
 
 import msgspec
 
-from rlnode.config import Config, ConfigError
+from rlnode.config import Config, ConfigError, fused_head_blocker
 
 GiB = 1 << 30
 # Allocator fragmentation and library workspaces on top of the predicted
@@ -454,8 +454,8 @@ def knobs_for_config(cfg: Config, *, ranks: int | None = None, tokens: int | Non
                   ckpt_layers=ALL_LAYERS if t.activation_checkpointing in (True, "auto") else 0,
                   eager=t.attention == "eager", kl=t.loss.kl_coef > 0, lora_rank=t.lora.rank,
                   lora_targets=tuple(t.lora.target_modules), lora_dropout=t.lora.dropout > 0,
-                  fused_head=t.logprob_head != "chunked" and t.loss.kind != "gspo" and not t.lora.rank
-                  and (ranks if ranks is not None else t.parallel.ranks) <= 1)
+                  fused_head=t.logprob_head != "chunked"
+                  and not fused_head_blocker(t, sharded=(ranks if ranks is not None else t.parallel.ranks) > 1))
 
 
 def plan_for_config(cfg: Config, device_bytes: int, *, ranks: int | None = None, tokens: int | None = None,

@@ -6,8 +6,9 @@ rows into micro-batches and one micro-batch into decoder inputs. No model
 loading, optimizer or loss: the Learner calls these.
 
 Two layouts of a token-budget micro-batch, by attention kernel:
-  varlen (flash_attention_2, PyTorch's varlen: attention.py): rows bin-packed and concatenated into ONE
-    sequence [1, S] with cumulative row lengths; no padding, no mask.
+  varlen (flash_attention_2, PyTorch's varlen: attention.py): rows
+    bin-packed and concatenated into ONE sequence [1, S] with cumulative
+    row lengths; no padding, no mask.
   padded (sdpa, eager): rows of similar length right-padded to [R, L],
     R * L <= budget, and NO attention mask. Causal attention alone is exact
     for the real tokens: a real token at j attends to positions <= j, all
@@ -149,6 +150,10 @@ class FusedHeadLoss(torch.autograd.Function):
         grad_w = torch.zeros_like(weight, dtype=torch.float32) if weight.requires_grad else None
         total = hidden.new_zeros((), dtype=torch.float32)
         lps, ents = [], []
+        # The backward products in the forward's precision: fp32, or the
+        # autocast dtype as autocast's own backward would run them.
+        mixed = not fp32_head and torch.is_autocast_enabled(hidden.device.type)
+        w = weight.to(torch.get_autocast_dtype(hidden.device.type)) if mixed else weight
         for a in range(0, hidden.shape[0], chunk):
             b = min(a + chunk, hidden.shape[0])
             h, y, t = hidden[a:b], targets[a:b], temps[a:b, None]
@@ -178,10 +183,6 @@ class FusedHeadLoss(torch.autograd.Function):
             dz = p.mul_(coef).neg_()
             dz[torch.arange(b - a, device=dz.device), y] += g  # + g onehot(y)
             dz.div_(t)
-            # The backward products in the forward's precision: fp32, or the
-            # autocast dtype as autocast's own backward would run them.
-            mixed = not fp32_head and torch.is_autocast_enabled(h.device.type)
-            w = weight.to(torch.get_autocast_dtype(h.device.type)) if mixed else weight
             dzc = dz.to(w.dtype)
             grad_h[a:b] = dzc @ w
             if grad_w is not None:
@@ -344,16 +345,17 @@ def padded_inputs(rows: list[PackedRow], device: torch.device) -> DecoderInputs:
 
 def packed_inputs(rows: list[PackedRow], device: torch.device, attn_impl: str) -> DecoderInputs:
     """All rows concatenated into ONE sequence [1, S], S = sum of row
-    lengths, no padding, for a varlen kernel (flash_attention_*): it takes
-    the cumulative row lengths (cu_seq_lens, max_length), computed here
-    once instead of per layer, and keeps attention inside each row with no
-    mask (flash_attention_*, or PyTorch's own: attention.py). ``position_ids`` restart at 0 for each row. Any other kernel
+    lengths, no padding, for a varlen kernel (flash_attention_*, or
+    PyTorch's own: attention.py): it takes the cumulative row lengths
+    (cu_seq_lens, max_length), computed here once instead of per layer, and
+    keeps attention inside each row with no mask. ``position_ids`` restart
+    at 0 for each row. Any other kernel
     would get a block-diagonal [1, 1, S, S] mask from transformers
     (masking_utils.find_packed_sequence_indices) and full S x S attention:
     refused (use ``padded_inputs``)."""
-    from rlnode.trainer.attention import VARLEN
+    from rlnode.trainer.attention import is_varlen
 
-    if not (attn_impl.startswith("flash_attention") or attn_impl == VARLEN):
+    if not is_varlen(attn_impl):
         raise ValueError(f"packed_inputs needs a varlen attention kernel, got {attn_impl!r}: use padded_inputs")
     lens = [len(r.tokens) for r in rows]
     ids = torch.from_numpy(np.concatenate([r.tokens for r in rows]).astype("int64")).to(device)  # [S]
