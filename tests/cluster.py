@@ -109,6 +109,7 @@ class Node:
         self.proc: subprocess.Popen | None = None
         self.log_path: Path | None = None
         self.starts = 0
+        self.stop_requested: subprocess.Popen | None = None  # the daemon already sent SIGTERM
 
     # ---- the daemon ------------------------------------------------------------
 
@@ -135,11 +136,16 @@ class Node:
             self.proc.wait()
             sweep_after_kill()
 
+    def request_stop(self) -> None:
+        """SIGTERM once: a second one is the daemon's forced exit."""
+        if self.proc is not None and self.proc.poll() is None and self.stop_requested is not self.proc:
+            self.proc.send_signal(signal.SIGTERM)
+            self.stop_requested = self.proc
+
     def terminate(self, timeout: float = 60) -> int | None:
         if self.proc is None:
             return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+        self.request_stop()
         try:
             return self.proc.wait(timeout)
         except subprocess.TimeoutExpired:

@@ -149,7 +149,15 @@ def run(tiny_model_dir, tmp_path_factory):
         for a in cluster.actors():
             r.start_actor(a)
         yield r
-        codes = {n.name: n.terminate() for n in reversed(list(cluster.nodes.values())) if n.alive()}
+        # The actors stop side by side (each shuts its engine down: 8-12 s
+        # on 2 cores), and before the trainer, whose last step they may
+        # still be sending groups for.
+        actors = [a for a in cluster.actors() if a.alive()]
+        for a in actors:
+            a.request_stop()
+        codes = {a.name: a.terminate() for a in actors}
+        if cluster.trainer.alive():
+            codes[cluster.trainer.name] = cluster.trainer.terminate()
         assert all(c == 0 for c in codes.values()), (codes, {
             name: cluster.nodes[name].log_path.read_text().splitlines()[-12:]
             for name, c in codes.items() if c != 0})

@@ -363,3 +363,52 @@ def _check_scratch(tmp_path: Path, monkeypatch) -> None:
     with pytest.raises(ValueError, match="too long for vLLM's unix sockets.*TMPDIR or VLLM_RPC_BASE_PATH"):
         make_engine_scratch(0)
     assert list(deep.iterdir()) == []
+
+
+def _make_unregistered_segments(ready, ours: str) -> None:
+    """A child that made a shared-memory segment and a named semaphore and
+    was killed before telling the resource tracker about them (the window
+    an abandoned engine start can hit), and maps the parent's ``ours``."""
+    import _multiprocessing
+    from multiprocessing import resource_tracker, shared_memory
+
+    seg = shared_memory.SharedMemory(create=True, size=4096)
+    resource_tracker.unregister(seg._name, "shared_memory")
+    sem = _multiprocessing.SemLock(1, 1, 1, "/mp-rlnodetest" + seg.name[4:], False)
+    kept = shared_memory.SharedMemory(name=ours)  # noqa: F841 (mapped while the child lives)
+    ready.put((seg.name, sem.name))
+    time.sleep(120)
+
+
+def test_an_abandoned_start_removes_the_shared_memory_its_processes_made():
+    """kill_children_since (a stop during an engine start) removes the
+    segments its killed processes made and nobody would: SIGKILL between
+    making one and registering it leaves it in /dev/shm for good. A segment
+    of a live process (ours, which the child maps too) stays."""
+    import multiprocessing
+    from multiprocessing import shared_memory
+
+    ctx = multiprocessing.get_context("spawn")
+    ours = shared_memory.SharedMemory(create=True, size=4096)
+    ready = ctx.Queue()
+    made: set[str] = set()
+    before = engine_guard.spawned_children()
+    child = ctx.Process(target=_make_unregistered_segments, args=(ready, ours.name), daemon=True)
+    try:
+        child.start()
+        seg, sem = ready.get(timeout=60)
+        made = {f"/dev/shm/{seg.lstrip('/')}", f"/dev/shm/sem.{sem.lstrip('/')}"}
+        assert all(os.path.exists(f) for f in made), made
+        assert engine_guard.kill_children_since(before) == [child.pid]
+        assert not [f for f in made if os.path.exists(f)]
+        assert os.path.exists(f"/dev/shm/{ours.name.lstrip('/')}")  # a live process maps it
+        child.join(5)
+        assert child.exitcode == -signal.SIGKILL
+    finally:
+        if child.is_alive():
+            child.kill()
+            child.join()
+        for path in made:
+            Path(path).unlink(missing_ok=True)
+        ours.close()
+        ours.unlink()

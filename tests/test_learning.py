@@ -145,7 +145,14 @@ REPLAYED = ("version", "reward_mean", "success_mean", "groups", "samples", "toke
             "zero_signal_groups", "token_lag_hist")
 
 
-def test_one_seed_replays_its_run_and_sync_steps_are_on_policy(tmp_path):
+# trainer.loss.entropy_target through the daemon: a target above any
+# entropy the 260-token vocabulary allows, so the coefficient goes up by one
+# step after every step.
+ADAPTIVE = ("--set", "trainer.loss.entropy_coef=0", "--set", "trainer.loss.entropy_target=50",
+            "--set", "trainer.loss.entropy_coef_step=0.01")
+
+
+def test_one_seed_replays_its_run_sync_steps_are_on_policy_and_a_resume_keeps_the_entropy_coef(tmp_path):
     """Two sync runs of the demo with one seed, side by side (so their
     requests interleave differently): per-request sampling seeds make them
     play the same samples, hence the same rewards and versions, step after
@@ -155,14 +162,26 @@ def test_one_seed_replays_its_run_and_sync_steps_are_on_policy(tmp_path):
     logprobs stay the trainer's over weights far from the initial ones (a
     stale prefix cache once made it 1e-2 by step 3 and 1 nat by step 200).
     Sync runs the async test's trainer and loss; its learning curve is the
-    demo's (`make demo` runs sync)."""
+    demo's (`make demo` runs sync).
+
+    Both runs use the adaptive entropy coefficient (ADAPTIVE): each step
+    trains with the coefficient the previous step's entropy set, and run a,
+    resumed for two more steps, goes on from its checkpoint's coefficient,
+    not from trainer.loss.entropy_coef. (One pair of runs for both: each
+    daemon start costs a minute of CI on 2 cores.)"""
     from rlnode.tiny_model import build_tiny_model
 
     model = build_tiny_model(tmp_path / "model", seed=0)
     steps = 5
-    procs = {name: _start(tmp_path / name, model, True, steps, "--set", "run.seed=7",
-                          "--set", "actor.scheduler.groups_per_step=2") for name in ("a", "b")}
-    a, b = (_finish(procs[name], tmp_path / name, steps) for name in ("a", "b"))
+    common = ("--set", "run.seed=7", "--set", "actor.scheduler.groups_per_step=2", *ADAPTIVE)
+    procs = {name: _start(tmp_path / name, model, True, steps, *common) for name in ("a", "b")}
+    try:
+        a, b = (_finish(procs[name], tmp_path / name, steps) for name in ("a", "b"))
+    finally:  # run a failed: run b goes too
+        for proc in procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
     for x, y in zip(a, b):
         assert {k: x[k] for k in REPLAYED} == {k: y[k] for k in REPLAYED}, (x, y)
         assert abs(x["loss"] - y["loss"]) <= 1e-4 * max(1.0, abs(x["loss"])), (x["loss"], y["loss"])
@@ -178,24 +197,9 @@ def test_one_seed_replays_its_run_and_sync_steps_are_on_policy(tmp_path):
             assert x["offpolicy/mismatch_kl"] < 1e-8 and x["offpolicy/lag0/mismatch_kl"] < 1e-8, x
             assert x["offpolicy/logprob_absdiff_p99"] < 1e-4 and x["offpolicy/is_ess"] > 0.9999, x
             assert x["offpolicy/masked_fraction"] == 0 and x["offpolicy/truncated_fraction"] == 0, x
-
-
-def test_adaptive_entropy_coef_moves_each_step_and_resumes_where_it_was(tmp_path):
-    """trainer.loss.entropy_target through the daemon: each step trains
-    with the coefficient the previous step's entropy set (a target above
-    any entropy the 260-token vocabulary allows: up by one step each time),
-    and a resumed run goes on from the checkpoint's coefficient, not from
-    trainer.loss.entropy_coef."""
-    from rlnode.tiny_model import build_tiny_model
-
-    model = build_tiny_model(tmp_path / "model", seed=0)
-    adaptive = ("--set", "trainer.loss.entropy_coef=0", "--set", "trainer.loss.entropy_target=50",
-                "--set", "trainer.loss.entropy_coef_step=0.01", "--set", "actor.scheduler.groups_per_step=2")
-    run = tmp_path / "run"
-    first = _finish(_start(run, model, True, 3, *adaptive), run, 3)
-    assert [round(x["loss/entropy_coef"], 6) for x in first] == [0.0, 0.01, 0.02]
-    assert all(0 < x["loss/entropy"] < 50 for x in first)
-    # The metrics file goes on: 3 records of the first run, then 2.
-    after = _finish(_start(run, model, True, 5, *adaptive, "--resume"), run, 5)[3:]
-    assert [x["step"] for x in after] == [4, 5]
-    assert [round(x["loss/entropy_coef"], 6) for x in after] == [0.03, 0.04]
+        assert [round(x["loss/entropy_coef"], 6) for x in run] == [0.0, 0.01, 0.02, 0.03, 0.04]
+        assert all(0 < x["loss/entropy"] < 50 for x in run)
+    # The metrics file goes on: 5 records of the first run, then 2.
+    after = _finish(_start(tmp_path / "a", model, True, 7, *common, "--resume"), tmp_path / "a", 7)[steps:]
+    assert [x["step"] for x in after] == [6, 7]
+    assert [round(x["loss/entropy_coef"], 6) for x in after] == [0.05, 0.06]

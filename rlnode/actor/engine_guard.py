@@ -30,6 +30,7 @@ touch a process that rlnode did not start: without the variable (a user's own
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import signal
@@ -45,6 +46,9 @@ PLUGIN_NAME = "rlnode_engine_guard"
 GRACE_S = 5.0
 # Fallback poll period where pidfds are unavailable (non-Linux, kernel < 5.3).
 POLL_S = 0.5
+# How long an abandoned start waits for the processes it killed to die
+# before it releases their shared memory (SIGKILL: milliseconds).
+KILL_WAIT_S = 5.0
 
 _installed = False
 
@@ -120,12 +124,13 @@ def spawned_children() -> set[int]:
 def kill_children_since(before: set[int]) -> list[int]:
     """SIGKILL the multiprocessing children started since ``before`` (an
     engine start being abandoned) and all their descendants (a worker still
-    importing torch has no guard yet). Returns the pids killed."""
+    importing torch has no guard yet), then remove the shared memory they
+    made (``release_shared_memory``). Returns the pids killed."""
     import multiprocessing
 
     import psutil  # a vLLM dependency
 
-    killed = []
+    killed: list[psutil.Process] = []
     for child in multiprocessing.active_children():
         if child.pid in before:
             continue
@@ -134,16 +139,94 @@ def kill_children_since(before: set[int]) -> list[int]:
             proc = psutil.Process(child.pid)
             proc.suspend()  # stopped, it spawns nothing while we list its descendants
             tree = [*proc.children(recursive=True), proc]
+            for sub in tree[:-1]:  # and none of them makes another segment meanwhile
+                with contextlib.suppress(psutil.Error):
+                    sub.suspend()
         except psutil.Error:
             pass
+        segments = shared_memory_of([p.pid for p in tree])
         for proc in tree:
             try:
                 proc.kill()
-                killed.append(proc.pid)
+                killed.append(proc)
             except psutil.Error:
                 pass
         child.kill()  # a no-op once the child has been reaped: no pid-reuse race
-    return killed
+        _wait_dead(tree, KILL_WAIT_S)
+        release_shared_memory(segments)
+    return [p.pid for p in killed]
+
+
+def _wait_dead(procs, timeout: float) -> None:
+    """Until every one of ``procs`` is a zombie or gone (its mappings are
+    released by then). Not ``psutil.wait_procs``: that reaps our own
+    children, and multiprocessing would then never see its child exit."""
+    import psutil
+
+    def running(p) -> bool:
+        try:
+            return p.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+    deadline = time.monotonic() + timeout
+    while any(running(p) for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+# Name prefixes in /dev/shm of what Python's multiprocessing makes: shared
+# memory (vLLM's message queues) and named semaphores.
+_SHM_PREFIXES = ("psm_", "sem.mp-")
+
+
+def shared_memory_of(pids: list[int]) -> set[str]:
+    """Paths under /dev/shm of multiprocessing's shared memory and
+    semaphores that ``pids`` map or hold open. Found by inode: a segment
+    between its ``shm_open`` and its ``mmap`` is only an open descriptor,
+    and glibc maps a named semaphore under a temporary name it then links
+    to the real one."""
+    inodes = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{pid}/maps") as f:
+                for line in f:
+                    parts = line.split(None, 5)
+                    if len(parts) == 6 and parts[5].startswith("/dev/shm/"):
+                        inodes.add(int(parts[4]))
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/dev/shm/"):
+                        inodes.add(os.stat(f"/proc/{pid}/fd/{fd}").st_ino)
+    found = set()
+    with contextlib.suppress(OSError), os.scandir("/dev/shm") as entries:
+        for entry in entries:
+            with contextlib.suppress(OSError):
+                if entry.name.startswith(_SHM_PREFIXES) and entry.inode() in inodes:
+                    found.add(entry.path)
+    return found
+
+
+def release_shared_memory(segments: set[str]) -> list[str]:
+    """Unlink ``segments`` of killed engine processes that no live process
+    of this daemon still maps. Why here: a process killed between making a
+    segment and registering it with multiprocessing's resource tracker
+    leaves it behind for good (tmpfs: RAM until reboot); a SIGKILLed engine
+    start is where that happens. Returns the paths removed."""
+    import psutil  # a vLLM dependency
+
+    if not segments:
+        return []
+    me = psutil.Process()
+    live: set[str] = set()
+    with contextlib.suppress(psutil.Error):
+        live = shared_memory_of([me.pid, *(c.pid for c in me.children(recursive=True))])
+    removed = []
+    for path in sorted(segments - live):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+            removed.append(path)
+    return removed
 
 
 def _parse(token: str) -> tuple[int, str] | None:
