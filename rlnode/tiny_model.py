@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from rlnode.model_files import make_readable
+
 # Qwen/Hermes-style template with tool support. Tools are rendered into the
 # system turn as JSON lines; a tool call is <tool_call>{json}</tool_call>;
 # tool results come back as a "tool" turn wrapped in <tool_response>.
@@ -183,4 +185,5 @@ def build_tiny_model(
         json.dumps({"arch": arch, "tie_embeddings": tie_embeddings, "seed": seed,
                     "layers": layers, "hidden": hidden, "preset": preset}, indent=2)
     )
+    make_readable(out)  # save_pretrained writes the weights 0600
     return out

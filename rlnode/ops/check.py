@@ -29,6 +29,7 @@ from pathlib import Path
 
 from rlnode.config import Config, ConfigError, actor_node_id
 from rlnode.addresses import is_loopback as literal_loopback
+from rlnode.model_files import model_unreadable
 from rlnode.ops.findings import FAIL, OK, WARN, Finding
 from rlnode.ops.stack import check_stack, cuda_roles
 
@@ -95,6 +96,8 @@ def check_model(cfg: Config) -> list[Finding]:
         return [Finding(FAIL, "model", f"model.path {cfg.model.path!r} is not a directory on this machine "
                         "(models are read from a local path; nothing is downloaded)")]
     out: list[Finding] = []
+    if unread := model_unreadable(cfg.model.path, cfg.model.tokenizer):
+        return [Finding(FAIL, "model", line) for line in unread]
     conf_file = path / "config.json"
     if not conf_file.is_file():
         return [Finding(FAIL, "model", f"{path}: no config.json")]

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from rlnode.log import get_logger
+from rlnode.model_files import make_readable
 from rlnode.trainer.metrics import strict_record
 from rlnode.trainer.state_io import load_state, save_state
 from rlnode.weights import lora
@@ -95,6 +96,7 @@ def save_hf_policy(model, model_src: str, out: Path) -> None:
         src = Path(model_src) / name
         if src.exists():
             shutil.copy2(src, out / name)
+    make_readable(out)  # for `rlnode eval` and an actor as another user (save_pretrained: 0600)
 
 
 def rng_state() -> dict[str, Any]:

@@ -46,6 +46,7 @@ import torch
 from rlnode.config import Config, ConfigError, LossConfig, ModelConfig, check_sft_job
 from rlnode.config.derived import chat_template_text
 from rlnode.log import get_logger
+from rlnode.model_files import make_readable
 from rlnode.trainer.checkpoint import CheckpointManager, MetricsWriter, is_adapter, model_adapter_spec
 from rlnode.trainer.learner import Learner, causal_lm
 from rlnode.trainer.scoring import (PackedRow, bucket_micro_batches, budget_micro_batches, chunked_logprobs,
@@ -347,7 +348,7 @@ def write_final(model: torch.nn.Module, chat: ChatTokens, cfg: Config, run_dir: 
         return out
     lora.write_adapter(str(out), model_adapter_spec(model), lora.adapter_tensors(model),
                        base=os.path.abspath(cfg.model.path))
-    _readable(out)
+    make_readable(out)
     if cfg.sft.merge_lora:
         # In place: the job is done with the adapter.
         write_model_dir(model.merge_and_unload(), chat, run_dir / MERGED_DIR)
@@ -363,7 +364,7 @@ def write_model_dir(model: torch.nn.Module, chat: ChatTokens, out: Path) -> None
         if chat.template:
             chat.tok.chat_template = chat.template
         chat.tok.save_pretrained(tmp)
-        _readable(tmp)
+        make_readable(tmp)
         for f in tmp.iterdir():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
@@ -379,11 +380,6 @@ def write_model_dir(model: torch.nn.Module, chat: ChatTokens, out: Path) -> None
         raise
 
 
-def _readable(d: Path) -> None:
-    # mkdtemp makes 0700 directories: a model folder is for every daemon user to read.
-    d.chmod(0o755)
-    for f in d.rglob("*"):
-        f.chmod(0o755 if f.is_dir() else 0o644)
 
 
 # -- the command ------------------------------------------------------------------
