@@ -36,8 +36,10 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
+from conftest import proc_stat
 from daemons import ROOT, sweep_after_kill, wait_for_status
 
 CLONE_NEWNET = 0x40000000
@@ -70,6 +72,12 @@ def netns_supported() -> str | None:
     finally:
         sh("ip", "netns", "del", probe, check=False)
     return None
+
+
+def session_pids(sid: int) -> list[int]:
+    """Live (not zombie) processes of session ``sid``."""
+    return [int(e) for e in os.listdir("/proc")
+            if e.isdigit() and (st := proc_stat(int(e))) and st[0] != "Z" and int(st[3]) == sid]
 
 
 def in_netns(ns: str, fn):
@@ -127,13 +135,23 @@ class Node:
         return self.proc is not None and self.proc.poll() is None
 
     def kill(self) -> None:
-        """kill -9, no goodbye."""
+        """kill -9, no goodbye. The whole session goes, multiprocessing's
+        resource tracker with it, so nothing would unlink the shared memory
+        its engine made (400 MB of tmpfs per engine): the test does."""
         if self.proc is not None:
+            from rlnode.actor.engine_guard import release_shared_memory, shared_memory_of
+
+            session = session_pids(self.proc.pid)
+            segments = shared_memory_of(session)
             try:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
             self.proc.wait()
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and session_pids(self.proc.pid):
+                time.sleep(0.05)
+            release_shared_memory(segments)
             sweep_after_kill()
 
     def request_stop(self) -> None:
