@@ -18,8 +18,8 @@ from typing import Protocol
 
 from rlnode import aio
 from rlnode.config import Config, ConfigError, actor_node_id
-from rlnode.model_files import model_unreadable
 from rlnode.log import bind_context, get_logger
+from rlnode.model_files import model_unreadable
 
 log = get_logger("rlnode.daemon")
 

@@ -39,7 +39,7 @@ import threading
 import time
 from pathlib import Path
 
-from conftest import proc_stat
+from conftest import session_pids
 from daemons import ROOT, sweep_after_kill, wait_for_status
 
 CLONE_NEWNET = 0x40000000
@@ -72,12 +72,6 @@ def netns_supported() -> str | None:
     finally:
         sh("ip", "netns", "del", probe, check=False)
     return None
-
-
-def session_pids(sid: int) -> list[int]:
-    """Live (not zombie) processes of session ``sid``."""
-    return [int(e) for e in os.listdir("/proc")
-            if e.isdigit() and (st := proc_stat(int(e))) and st[0] != "Z" and int(st[3]) == sid]
 
 
 def in_netns(ns: str, fn):
@@ -142,7 +136,7 @@ class Node:
             from rlnode.actor.engine_guard import release_shared_memory, shared_memory_of
 
             session = session_pids(self.proc.pid)
-            segments = shared_memory_of(session)
+            segments = shared_memory_of(list(session))
             try:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             except ProcessLookupError:

@@ -117,6 +117,18 @@ def proc_stat(pid: int) -> list[str] | None:
     return raw[raw.rindex(")") + 2 :].split()
 
 
+def session_pids(sid: int) -> dict[int, str]:
+    """Live (not zombie) processes of session ``sid``: pid -> name."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (st := proc_stat(int(entry))) and st[0] != "Z" and int(st[3]) == sid:
+            try:
+                out[int(entry)] = Path(f"/proc/{entry}/comm").read_text().strip()
+            except OSError:
+                pass
+    return out
+
+
 def of_another_test_worker(pid: int) -> bool:
     """Whether process ``pid`` descends from another pytest-xdist worker.
     The sandbox tests look for processes of any sandbox uid on the host,

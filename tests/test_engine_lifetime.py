@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import proc_stat
+from conftest import session_pids
 from daemons import ROOT, Daemon, free_port
 from rlnode.actor import engine_guard
 from rlnode.actor.engine import SCRATCH_PREFIX, sweep_engine_scratch
@@ -38,18 +38,6 @@ def actor_args(model_dir, run_dir, http_port: int) -> list[str]:
     return ["--role", "actor", "--config", str(ROOT / "conf/demo.toml"),
             "--set", f"model.path={model_dir}", "--set", f"run.run_dir={run_dir}",
             "--set", "run.progress=false", "--set", f"http.actor_port={http_port}"]
-
-
-def session_pids(sid: int) -> dict[int, str]:
-    """Live (not zombie) processes of session ``sid``: pid -> name."""
-    out = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and (st := proc_stat(int(entry))) and st[0] != "Z" and int(st[3]) == sid:
-            try:
-                out[int(entry)] = Path(f"/proc/{entry}/comm").read_text().strip()
-            except OSError:
-                pass
-    return out
 
 
 def shm_files(pids) -> set[str]:

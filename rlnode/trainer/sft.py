@@ -380,8 +380,6 @@ def write_model_dir(model: torch.nn.Module, chat: ChatTokens, out: Path) -> None
         raise
 
 
-
-
 # -- the command ------------------------------------------------------------------
 
 
