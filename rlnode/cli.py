@@ -5,7 +5,7 @@
     rlnode pretrained smollm2-135m OUT_DIR [--dtype float32] [--if-missing]
     rlnode sft --config FILE [--set k.p=v ...] [--run-dir DIR] [--resume]
     rlnode bench NAME [--config FILE] [--set ...] [--json]
-    rlnode check --config FILE [--for-role R] [--gpus N] [--json]
+    rlnode check --config FILE [--for-role R] [--gpus N] [--as-unit UNIT_FILE] [--json]
     rlnode keygen DIR --actor NODE_ID [--actor NODE_ID ...]
     rlnode status --peers HOST:PORT,... [--token TOKEN]
 
@@ -123,6 +123,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="memory per GPU for the trainer memory plan (default: this machine's first GPU)")
     ck.add_argument("--peers", dest="check_peers", default="", metavar="HOST:PORT,...",
                     help="actor: trainer address(es), as given to the daemon")
+    ck.add_argument("--as-unit", dest="check_unit", metavar="UNIT_FILE",
+                    help="probe the agents' wall as this systemd unit runs the daemon: its User=, NoNewPrivileges= "
+                    "and /proc, /sys overmounts, emulated in a private mount namespace (needs root)")
+    ck.add_argument("--unit-user", dest="check_unit_user", metavar="USER",
+                    help="with --as-unit: run as USER instead of the unit's User= (not created yet)")
     ck.add_argument("--json", action="store_true", help="print the findings as JSON")
 
     bench = sub.add_parser("bench", help="run a benchmark and print a table (or --json)")
@@ -257,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
             cfg.actor.peers = [p.strip() for p in args.check_peers.split(",") if p.strip()]
         from rlnode.ops.check import main_check
 
-        return main_check(cfg, args.check_role, args.json, args.gpus, args.gpu_gib)
+        return main_check(cfg, args.check_role, args.json, args.gpus, args.gpu_gib, args.check_unit,
+                          args.check_unit_user)
     if args.command == "bench":
         cfg = _load(args)
         from rlnode.bench import run_bench

@@ -170,9 +170,12 @@ def sandbox_processes(bootstrap: bool = False) -> list[str]:
         if "State:\tZ" in status:
             continue
         uid = int(status.split("Uid:")[1].split()[0])
-        if (isolation.UID_BASE <= uid < isolation.UID_BASE + isolation.UID_SPAN or (
-                b"rlnode-sandbox bootstrap" in cmdline and int(proc.name) != os.getpid())) \
-                and not of_another_test_worker(int(proc.name)):
+        # A non-root session's boxes run as its own uid (user namespace), never
+        # in the fresh-uid range: a root session beside it owns those.
+        fresh = isolation.UID_BASE <= uid < isolation.UID_BASE + isolation.UID_SPAN and os.geteuid() == 0
+        bootstrap_of_ours = (b"rlnode-sandbox bootstrap" in cmdline and int(proc.name) != os.getpid()
+                             and (os.geteuid() == 0 or uid == os.geteuid()))
+        if (fresh or bootstrap_of_ours) and not of_another_test_worker(int(proc.name)):
             found.append(f"{proc.name} uid={uid} {cmdline[:60]!r}")
     return found
 

@@ -5,6 +5,7 @@ gateway's episode routes as their only way out. Each test plays what a tool
 call the policy got the agent to run could try."""
 
 import asyncio
+import re
 import json
 import os
 import sys
@@ -14,7 +15,7 @@ import aiohttp
 import msgspec
 import pytest
 
-from rlnode.config import load_config
+from rlnode.config import ConfigError, load_config
 from rlnode.cubes.base import CubeError
 from rlnode.link.curve import auto_keys
 from rlnode.link.trainer_link import TrainerLink
@@ -212,3 +213,88 @@ async def test_a_function_agents_worker_reaches_every_gateway_host(engine, route
         assert all(r.relayed > 0 for r in worker.relays), [r.relayed for r in worker.relays]
         assert cube.workers.restarts == 0
         await cube.close()
+
+
+@pytest.fixture
+def guarded(tmp_path, monkeypatch):
+    """What the actor daemon guards at start (``no_box_sees``), all under
+    ``tmp_path/srv``: the run dir, the key folder, the HTTP token file and
+    the Hugging Face cache."""
+    from huggingface_hub import constants
+
+    from rlnode.actor.daemon import no_box_sees
+    from rlnode.cubes import isolation
+
+    srv = tmp_path / "srv"
+    paths = {"run": srv / "run", "curve": srv / "keys" / "curve", "hf": srv / "hf"}
+    for p in paths.values():
+        p.mkdir(parents=True)
+    (srv / "keys" / "http.token").write_text("t")
+    monkeypatch.setattr(constants, "HF_HOME", str(paths["hf"]))
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(paths["hf"] / "token"))
+    monkeypatch.setattr(isolation, "_guarded", {})
+    cfg = load_config(None, [f"run.run_dir={paths['run']}", f"link.curve_dir={paths['curve']}",
+                             f"http.token_file={srv / 'keys' / 'http.token'}"])
+    isolation.guard_paths(no_box_sees(cfg))
+    return srv, cfg
+
+
+@pytest.mark.parametrize("shows, key", [
+    ("cwd holds it", "run.run_dir"),
+    ("ro_paths inside it", "link.curve_dir"),
+    ("command names it", "http.token_file"),
+    ("PYTHONPATH holds it", "HF_HOME"),
+    ("agent file inside it", "run.run_dir"),
+])
+async def test_a_path_shown_to_agents_that_would_show_a_guarded_one_is_refused_at_start(shows, key, guarded, tmp_path):
+    """cwd, ro_paths, a file the command names, a PYTHONPATH folder and a
+    function agent's file are bound into every box: one that is, holds or
+    lies inside the run dir, the key folder, the token file or the Hugging
+    Face cache would show them (a unit's box has the daemon's kernel uid,
+    so only the bind view keeps them out). The cube refuses at start,
+    naming its option and the guarded key."""
+    guarded, _ = guarded
+    options = {"tasks": tasks_file(tmp_path), "command": [sys.executable, str(FIXTURES), "reply"]}
+    option = {"cwd holds it": "options.cwd", "ro_paths inside it": "options.ro_paths[0]",
+              "command names it": "options.command[3]", "PYTHONPATH holds it": "PYTHONPATH entry",
+              "agent file inside it": "options.agent"}[shows]
+    if shows == "cwd holds it":
+        options["cwd"] = str(guarded)
+    elif shows == "ro_paths inside it":
+        options["ro_paths"] = [str(guarded / "keys" / "curve")]
+    elif shows == "command names it":
+        options["command"] += [str(guarded / "keys" / "http.token")]
+    elif shows == "PYTHONPATH holds it":
+        options["env_vars"] = {"PYTHONPATH": str(guarded / "hf")}
+    else:
+        agent = guarded / "run" / "agent.py"
+        agent.write_text("def play(task, endpoint):\n    return 0.0\n")
+        del options["command"]
+        options["agent"] = f"{agent}:play"
+    with pytest.raises(ConfigError, match=rf"cube 'agent': {re.escape(option)}.* would show {re.escape(key)}"):
+        await started(options)
+
+
+async def test_a_verifiers_cache_inside_a_guarded_path_is_refused_and_no_box_is_built_showing_one(guarded, tmp_path):
+    """The verifiers boxes show their cache root (scripts, uv): inside the
+    run dir it is refused at start. Below every cube, a box asked to show a
+    guarded path is never built (isolation.agent_prefix)."""
+    from rlnode.actor.daemon import no_box_sees
+    from rlnode.config.actor import CubeConfig
+    from rlnode.cubes import isolation
+    from rlnode.cubes.registry import open_cubes
+
+    try:
+        import verifiers.v1  # noqa: F401
+    except ImportError:
+        pytest.skip("verifiers is not installed")
+    guarded, cfg = guarded
+    isolation.guard_paths({})  # set again below, as the actor daemon sets them
+    spec = CubeConfig(id="vf", kind="verifiers", options={"env": "rlnode.cubes.vf_guess", "num_train": 2, "num_test": 1,
+                                                          "cache_dir": str(guarded / "run" / "vf-cache")})
+    with pytest.raises(ConfigError, match=r"options.cache_dir .* would show run.run_dir"):
+        await open_cubes([spec], 0, no_box_sees(cfg))
+    with pytest.raises(isolation.ShownPathRefused, match="link.curve_dir"):
+        isolation.agent_prefix({}, [str(guarded / "keys")], "/tmp/home", 1 << 20)
+    with pytest.raises(isolation.ShownPathRefused, match="run.run_dir"):
+        isolation.agent_prefix({}, [], str(guarded / "run" / "box"), 1 << 20, rw_paths=(str(guarded / "run" / "box"),))

@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import socket
+from pathlib import Path
 
 import httpx
 import msgspec
@@ -320,6 +321,32 @@ async def test_hosts_are_forked_from_one_server_which_comes_back_when_killed(hos
     assert FORK_SERVER.pid not in (0, server) and parent_of(gw.host_pid) == FORK_SERVER.pid
     result = await run_agent_episode(gw, GuessTask(), SETTINGS, "ep-new-server", "g1")
     assert result.reward == 1.0 and gw.host_starts == 3
+
+
+SECRETS = ("HF_TOKEN", "RLNODE_HTTP_TOKEN", "AWS_SECRET_ACCESS_KEY", "VLLM_API_KEY", "WANDB_API_KEY")
+
+
+@pytest.fixture
+def daemon_secrets(monkeypatch):
+    """Credentials in the daemon's environment, and no fork server yet: the
+    next host start begins one with this environment."""
+    for name in SECRETS:
+        monkeypatch.setenv(name, f"s3cret-{name}")
+    FORK_SERVER.close()
+
+
+async def test_hosts_parse_agents_http_without_the_daemons_credentials(daemon_secrets, hosted):
+    """The fork server and every host it forks get an allowlisted
+    environment: none of the daemon's credentials, the basics a host needs
+    (PATH, the Python path its imports use) kept; the host serves."""
+    gw, _, _ = hosted
+    for pid in (FORK_SERVER.pid, gw.host_pid):
+        environ = dict(item.split("=", 1) for item in
+                       Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0") if "=" in item)
+        assert not [k for k in environ if k in SECRETS or "s3cret" in environ[k]], sorted(environ)
+        assert environ["PATH"] == os.environ["PATH"] and environ.get("PYTHONPATH") == os.environ.get("PYTHONPATH")
+    result = await run_agent_episode(gw, GuessTask(), SETTINGS, "ep-clean-env", "g0")
+    assert result.reward == 1.0
 
 
 async def test_a_host_start_cancelled_mid_fork_leaves_no_host_and_no_descriptor(tokenizer, tiny_model_dir):

@@ -468,6 +468,60 @@ async def test_a_pep723_harness_script_runs_walled_from_an_empty_home_and_cache(
     assert sorted(p.name for p in home.iterdir()) == []  # nothing under HOME: the cache root holds it all
 
 
+async def test_the_runtimes_host_side_files_never_follow_a_link_out_of_its_box(vf, tmp_path):
+    """The daemon reads and writes a runtime's working directory from the
+    host (verifiers' ``read``/``write``, the log of ``run_background``), and
+    the box writes there too. A program in the box plants links to a key
+    file: the daemon reads none of it and truncates none of it, through a
+    link at the end or a linked folder on the way, and a path outside the
+    directory is read in the box, where the key does not exist. The
+    directory is the box's alone (0700, owned by its uid)."""
+    import stat
+
+    from verifiers.v1.errors import SandboxError
+    from verifiers.v1.runtimes.subprocess import SubprocessConfig
+
+    from rlnode.cubes.agent_sandbox import AgentLimits
+    from rlnode.cubes.vf_runtime import make_walled_runtime
+    from rlnode.cubes.vf_scripts import ScriptCache
+
+    secret = tmp_path / "link-keys" / "n1.key_secret"
+    secret.parent.mkdir()
+    secret.write_bytes(b"THE-KEY")
+    scripts = ScriptCache(tmp_path / "cache")
+    scripts.make_dirs()
+    runtime = make_walled_runtime(AgentLimits(), {"PATH": "/usr/bin:/bin"}, scripts)(SubprocessConfig(), "rt1")
+    await runtime.start()
+    try:
+        await runtime.write("in.txt", b"from the host")
+        plant = (f"ln -s {secret} out.txt && ln -s {secret.parent} keys && ln -s {secret} server.log && "
+                 "cat in.txt && echo && stat -c %a .")
+        done = await runtime.run(["sh", "-c", plant], {})
+        assert done.exit_code == 0, done.stderr
+        assert done.stdout.split() == ["from", "the", "host", "700"]
+        if os.geteuid() == 0:
+            assert os.stat(runtime.workdir).st_uid >= 1_200_000_000  # the box's fresh uid
+        assert stat.S_IMODE(os.stat(runtime.workdir).st_mode) == 0o700
+        for path in ("out.txt", "keys/n1.key_secret", f"{runtime.workdir}/out.txt"):
+            with pytest.raises(SandboxError, match="link"):
+                await runtime.read(path)
+            with pytest.raises(SandboxError, match="link"):
+                await runtime.read(path, max_bytes=100)
+            with pytest.raises(SandboxError, match="link"):
+                await runtime.write(path, b"")
+        with pytest.raises(Exception, match="link"):
+            await runtime.run_background(["true"], {}, "server.log")
+        # Outside the working directory: the box's view, where it is not.
+        with pytest.raises(Exception):
+            await runtime.read(str(secret), max_bytes=100)
+        await runtime.write("sub/dir/ok.txt", b"fine")
+        assert await runtime.read("sub/dir/ok.txt") == b"fine"
+        assert secret.read_bytes() == b"THE-KEY"
+    finally:
+        await runtime.teardown()
+    assert not os.path.exists(runtime.workdir)
+
+
 def test_rlnode_eval_prints_one_line_for_a_cube_that_cannot_start(vf, tmp_path, capsys):
     """`rlnode eval` (its command function, in-process: cubes start before
     any engine) on an environment that cannot be imported and on one left

@@ -85,6 +85,17 @@ class TrainerGroupSink:
         log.error("actor.group_lost", group=group.group_id, lost=self.lost, credit_returned=bool(group.credit_session))
 
 
+def no_box_sees(cfg: Config) -> dict[str, str]:
+    """The paths no agent box may be shown, by config key: the run dir (link
+    keys, checkpoints), the key folder, the HTTP token file and the Hugging
+    Face cache, where `huggingface-cli login` keeps its token."""
+    from huggingface_hub import constants
+
+    return {"run.run_dir": cfg.run.run_dir, "link.curve_dir": cfg.link.curve_dir,
+            "http.token_file": cfg.http.token_file, "HF_HOME (the Hugging Face cache and token)": constants.HF_HOME,
+            "HF_TOKEN_PATH": constants.HF_TOKEN_PATH}
+
+
 def count_start(run_dir: str, node_id: str, incarnation: str) -> str:
     """Which start of this node in this run dir this is, for the scheduler's
     task draws: "" for the first (a fresh run with the same seed replays the
@@ -165,7 +176,7 @@ class ActorDaemon:
         from rlnode.actor.weight_receiver import prepare_engine
         from rlnode.cubes.registry import close_cubes, open_cubes
 
-        self.cubes = await open_cubes(self.cfg.actor.cubes, self.cfg.run.seed)
+        self.cubes = await open_cubes(self.cfg.actor.cubes, self.cfg.run.seed, no_box_sees(self.cfg))
         started: list[Engine] = []
         try:
             if self.cubes:

@@ -276,6 +276,47 @@ def inside_env(env: dict[str, str]) -> dict[str, str]:
     return {"MALLOC_ARENA_MAX": "4", **env, "HOME": "/tmp/home", "TMPDIR": "/tmp"}
 
 
+def _command_file(arg: str, i: int, cwd: str) -> str | None:
+    """The absolute path of a file ``command[i]`` names (its program, a
+    script, a config), or None. Absolute, not resolved: a venv's python is
+    found by the path it is started as (pyvenv.cfg next to its bin/)."""
+    path = arg if os.path.isabs(arg) else os.path.join(cwd or os.getcwd(), arg)
+    return os.path.abspath(path) if (i == 0 or not arg.startswith("-")) and os.path.isfile(path) else None
+
+
+def _command_argv(command: list[str], env: dict[str, str], cwd: str) -> list[str]:
+    argv = []
+    for i, arg in enumerate(command):
+        if path := _command_file(arg, i, cwd):
+            argv.append(path)
+        elif i == 0 and (found := shutil.which(arg, path=env.get("PATH"))):
+            argv.append(found)
+        else:
+            argv.append(arg)
+    return argv
+
+
+def shown_paths(command: list[str], env: dict[str, str], cwd: str, ro_paths: list[str]) -> list[tuple[str, str]]:
+    """(option, path) of everything an agent's box shows of the host beyond
+    the system and the Python installation: ``ro_paths``, ``cwd``, every
+    PYTHONPATH folder and the files the command names."""
+    shown = [(f"options.ro_paths[{i}]", p) for i, p in enumerate(ro_paths) if p]
+    shown += [("options.cwd", cwd)] if cwd else []
+    shown += [(f"PYTHONPATH entry {p!r}", p) for p in env.get("PYTHONPATH", "").split(":") if p and os.path.isdir(p)]
+    shown += [(f"options.command[{i}]", path) for i, arg in enumerate(command) if (path := _command_file(arg, i, cwd))]
+    return shown
+
+
+def check_shown(cube_id: str, shown: list[tuple[str, str]]) -> None:
+    """At cube start: ConfigError naming the option and the guarded key when
+    a path the cube's boxes would show is, holds or lies inside a path no
+    box may see (``isolation.guard_paths``)."""
+    for option, path in shown:
+        if conflict := isolation.shown_conflict(path):
+            raise ConfigError(f"cube {cube_id!r}: {option} ({os.path.abspath(path)}) would show {conflict} to "
+                              "its agents: show a folder that holds neither, or move that path out of it")
+
+
 def sandboxed_argv(command: list[str], env: dict[str, str], relay: GatewayRelay | list[GatewayRelay], cwd: str,
                    ro_paths: list[str], limits: AgentLimits, pass_fds: tuple[int, ...] = ()) -> list[str]:
     """The whole argv that runs ``command`` in its sandbox; start it with
@@ -285,21 +326,8 @@ def sandboxed_argv(command: list[str], env: dict[str, str], relay: GatewayRelay 
     ``cwd`` (the option, if set) and ``ro_paths`` too; the working
     directory is ``cwd`` or the private /tmp/home."""
     relays = relay if isinstance(relay, list) else [relay]
-    base = cwd or os.getcwd()
-    argv, shown = [], [*(r.dir for r in relays), *ro_paths] + ([cwd] if cwd else [])
-    shown += [p for p in env.get("PYTHONPATH", "").split(":") if p and os.path.isdir(p)]
-    for i, arg in enumerate(command):
-        path = arg if os.path.isabs(arg) else os.path.join(base, arg)
-        if (i == 0 or not arg.startswith("-")) and os.path.isfile(path):
-            # Absolute, not resolved: a venv's python is found by the path it
-            # is started as (pyvenv.cfg next to its bin/).
-            path = os.path.abspath(path)
-            argv.append(path)
-            shown.append(path)
-        elif i == 0 and (found := shutil.which(arg, path=env.get("PATH"))):
-            argv.append(found)
-        else:
-            argv.append(arg)
+    argv, shown = _command_argv(command, env, cwd), [r.dir for r in relays]
+    shown += [path for _, path in shown_paths(command, env, cwd, ro_paths)]
     prefix = isolation.agent_prefix(env, [os.path.abspath(p) for p in shown if p],
                                     os.path.abspath(cwd) if cwd else "/tmp/home", limits.tmp_mib * 2**20)
     exe = isolation.interpreter(sys.executable)
@@ -317,6 +345,6 @@ async def check(requested: str, cube_id: str) -> None:
         return
     if not await isolation.works("bwrap", sys.executable):
         why = isolation.why_not("bwrap", sys.executable)
-        raise ConfigError(f"cube {cube_id!r}: options.isolation = \"bwrap\" cannot run agents here ({why}): "
-                         "install bubblewrap (apt-get install bubblewrap), or set options.isolation = \"none\" "
-                         "to run them as the daemon's user")
+        raise ConfigError(f"cube {cube_id!r}: options.isolation = \"bwrap\" cannot run agents here: {why}. "
+                          "Fix that (`rlnode check` probes it, --as-unit as the systemd unit runs it), or set "
+                          "options.isolation = \"none\" to run them as the daemon's user, unwalled")

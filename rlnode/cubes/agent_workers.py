@@ -271,9 +271,9 @@ class AgentWorkers:
 
     def __init__(self, ref: str, processes: int, isolation: str = "bwrap", env: dict[str, str] | None = None,
                  ro_paths: list[str] | None = None, limits: AgentLimits | None = None, cwd: str = ""):
-        self.ref, self.processes = _absolute_ref(ref), processes
+        self.ref, self.processes = absolute_ref(ref), processes
         self.isolation, self.env, self.cwd = isolation, dict(env or {}), cwd
-        self.ro_paths = [*(ro_paths or []), RLNODE_DIR, *_ref_files(self.ref)]
+        self.ro_paths = [*(ro_paths or []), RLNODE_DIR, *ref_files(self.ref)]
         self.limits = limits or AgentLimits()
         # The gateway's agent sockets (one per gateway host), known at the
         # first episode (workers start with their cube, before the gateway
@@ -469,7 +469,7 @@ class AgentWorkers:
         await asyncio.gather(*self._reaper, return_exceptions=True)
 
 
-def _absolute_ref(ref: str) -> str:
+def absolute_ref(ref: str) -> str:
     """A ``path/file.py:function`` ref made absolute (the worker's working
     directory is its sandbox's, not the daemon's)."""
     target, sep, attr = ref.rpartition(":")
@@ -478,7 +478,7 @@ def _absolute_ref(ref: str) -> str:
     return ref
 
 
-def _ref_files(ref: str) -> list[str]:
+def ref_files(ref: str) -> list[str]:
     target = ref.rpartition(":")[0]
     return [target] if target.endswith(".py") and os.path.isfile(target) else []
 

@@ -15,7 +15,8 @@ Layers, strongest first (``SandboxLimits.isolation``):
 * ``bwrap``: bubblewrap. New pid, net (loopback only), ipc, uts (and cgroup)
   namespaces; a read-only view of /usr, /lib*, /bin and the Python
   installation (its site-packages hidden) and nothing else: no /etc, /home,
-  /root, /work, run dir or daemon files; /proc of the new pid namespace; a
+  /root, /work, run dir or daemon files; /proc of the new pid namespace
+  (or an empty /proc where the kernel refuses that mount: ``_fresh_procfs``); a
   minimal /dev; a size-bounded private tmpfs /tmp holding the working dir,
   the only writable place. Empty environment but PATH/LC_ALL/HOME/TMPDIR:
   the caller starts bwrap with exactly that environment, which bwrap hands
@@ -26,8 +27,11 @@ Layers, strongest first (``SandboxLimits.isolation``):
   root daemon runs bwrap privileged (no user namespace) and ``setpriv``
   switches to a fresh uid from ``UID_BASE`` (one per run, so concurrent runs
   do not share a process count) with no capabilities, an empty bounding set
-  and no_new_privs; a non-root daemon runs bwrap in a user namespace as
-  65534, where the kernel counts processes per namespace. ``--die-with-
+  and no_new_privs; a non-root daemon (the systemd units' user) runs bwrap
+  in a user namespace as 65534, where the kernel counts processes per
+  namespace. That uid is the daemon's own kernel uid outside the box, so
+  file modes protect nothing there: the bind view is the wall, and no box
+  is shown a guarded path (``guard_paths``; docs/security.md). ``--die-with-
   parent`` and the pid namespace end every process of the run when bwrap
   dies.
 * ``unshare``: util-linux ``unshare`` (root only): new net, pid (own /proc),
@@ -71,6 +75,36 @@ class SandboxUnavailable(RuntimeError):
     """No isolation layer that the configuration allows works on this host."""
 
 
+class ShownPathRefused(ValueError):
+    """A path to be shown in a box is, holds or lies inside a guarded one."""
+
+
+# Paths no box may be shown, {config key: real path}: the run dir (link keys,
+# checkpoints), the key folder, the HTTP token file, the Hugging Face cache
+# (its token). The actor daemon sets them at start (``guard_paths``); every
+# agent box checks what it shows against them (``agent_prefix``). A box under
+# the units has the daemon's kernel uid (docs/security.md), so the bind view
+# is all that keeps these out.
+_guarded: dict[str, str] = {}
+
+
+def guard_paths(paths: dict[str, str]) -> None:
+    """Set the guarded paths (empty values skipped), replacing earlier ones."""
+    _guarded.clear()
+    _guarded.update({key: os.path.realpath(path) for key, path in paths.items() if path})
+
+
+def shown_conflict(path: str) -> str | None:
+    """``KEY (PATH)`` of the guarded path that showing ``path`` would show
+    (the same, inside it, or holding it), or None. Resolved as bwrap binds
+    it: through symlinks."""
+    shown = os.path.realpath(path)
+    for key, guarded in _guarded.items():
+        if shown == guarded or shown.startswith(guarded + "/") or guarded.startswith(shown.rstrip("/") + "/"):
+            return f"{key} ({guarded})"
+    return None
+
+
 class Wrap(msgspec.Struct, frozen=True):
     layer: Layer
     # argv that precedes the interpreter's own argv.
@@ -94,6 +128,16 @@ _probe_timeout: dict[tuple[str, str], float] = {}
 _why: dict[tuple[str, str], str] = {}
 # Choices (and downgrades) already logged, so each appears once per process.
 _logged: set[tuple[str, ...]] = set()
+# Whether bwrap may mount a fresh procfs for the box (False once a probe saw
+# the kernel refuse it). In a user namespace (a non-root daemon) the kernel
+# mounts proc only while the caller's /proc is fully visible; systemd's
+# ProtectKernelTunables= (and a container's masked /proc) overmounts parts of
+# it read-only, so under the shipped units the mount fails. The box then has
+# an empty /proc: no process of its own or anyone's is visible, so it is no
+# weaker, but programs that read /proc/self see nothing
+# (docs/security.md, "Under the systemd units").
+_fresh_procfs = True
+PROC_REFUSED = "Can't mount proc"
 
 
 def interpreter(exe: str) -> str:
@@ -150,7 +194,7 @@ def _bwrap_head(root: bool) -> list[str]:
     is ever on an argv (/proc/PID/cmdline is world-readable)."""
     bwrap = _bwrap_bin()
     if bwrap is None:
-        raise SandboxUnavailable("bwrap not found")
+        raise SandboxUnavailable("bwrap not found: install bubblewrap (apt-get install bubblewrap)")
     args = [bwrap, "--die-with-parent", "--new-session"]
     if root:
         # Privileged bwrap, no user namespace: setpriv (_drop_privileges)
@@ -171,10 +215,16 @@ def bwrap_prefix(real_exe: str, workdir: str, tmp_bytes: int) -> list[str]:
     args += _ro_binds(show)
     for d in hide:
         args += ["--tmpfs", d]
-    args += ["--proc", "/proc", "--dev", "/dev",
+    args += [*_proc_args(), "--dev", "/dev",
              "--size", str(tmp_bytes), "--perms", "1777", "--tmpfs", "/tmp",
              "--perms", "0777", "--dir", workdir, "--chdir", workdir, "--remount-ro", "/", "--"]
     return args + _drop_privileges(root)
+
+
+def _proc_args() -> list[str]:
+    """The box's /proc: a fresh procfs of its own pid namespace, or (where the
+    kernel refuses that mount, ``_fresh_procfs``) an empty directory."""
+    return ["--proc", "/proc"] if _fresh_procfs else ["--dir", "/proc"]
 
 
 def _ro_binds(paths: list[str], rw: tuple[str, ...] = ()) -> list[str]:
@@ -196,15 +246,20 @@ def _ro_binds(paths: list[str], rw: tuple[str, ...] = ()) -> list[str]:
     return args
 
 
-def _drop_privileges(root: bool) -> list[str]:
-    """setpriv to a fresh unprivileged uid with no capabilities (a root
+def fresh_uid() -> int:
+    """A kernel uid for one run of a root daemon's box, owned by no file."""
+    return UID_BASE + random.randrange(UID_SPAN)
+
+
+def _drop_privileges(root: bool, uid: int | None = None) -> list[str]:
+    """setpriv to ``uid`` (default a fresh one) with no capabilities (a root
     daemon's privileged bwrap); nothing for a user-namespace bwrap."""
     if not root:
         return []
     setpriv = _setpriv_bin()
     if setpriv is None:
         raise SandboxUnavailable("setpriv (util-linux) not found")
-    uid = str(UID_BASE + random.randrange(UID_SPAN))
+    uid = str(fresh_uid() if uid is None else uid)
     return [setpriv, "--reuid", uid, "--regid", uid, "--clear-groups", "--bounding-set", "-all",
             "--inh-caps", "-all", "--no-new-privs", "--"]
 
@@ -214,24 +269,28 @@ AGENT_PUBLIC_ETC = ("/etc/ssl/certs", "/etc/ssl/openssl.cnf", "/etc/ca-certifica
 
 
 def agent_prefix(env: dict[str, str], ro_paths: list[str], chdir: str, tmp_bytes: int,
-                 rw_paths: tuple[str, ...] = ()) -> list[str]:
+                 rw_paths: tuple[str, ...] = (), uid: int | None = None) -> list[str]:
     """bwrap argv for an agent (``rlnode/cubes/agent_sandbox.py``): the
     snippets' namespaces (pid, net with loopback only, ipc, uts) and fresh
     unprivileged uid, but with the Python installation whole (an agent
     imports its SDKs) and ``ro_paths`` (the agent's own files, the gateway
     relay's socket) read-only. Writable: a size-bounded /tmp and
-    ``rw_paths`` (a verifiers runtime's working directory). ``env`` is
-    the environment bwrap will be started with (read here for its CA paths
-    only: it is never put on the argv)."""
+    ``rw_paths`` (a verifiers runtime's working directory, owned by
+    ``uid``: the box's kernel uid when the daemon is root, else its own).
+    ``env`` is the environment bwrap will be started with (read here for
+    its CA paths only: it is never put on the argv)."""
     root = os.geteuid() == 0
     args = _bwrap_head(root)
     # The private /tmp first: shown paths under the host's /tmp (the gateway
     # relay's socket) are bound over it, not hidden by it.
-    args += ["--proc", "/proc", "--dev", "/dev", "--size", str(tmp_bytes), "--perms", "1777", "--tmpfs", "/tmp"]
+    args += [*_proc_args(), "--dev", "/dev", "--size", str(tmp_bytes), "--perms", "1777", "--tmpfs", "/tmp"]
     # Public system files SDKs read at import (CA bundles for the SSL context
     # httpx builds even for a plain-HTTP gateway; hosts for "localhost").
     public = [p for p in AGENT_PUBLIC_ETC if os.path.exists(p)]
     public += [p for p in (env.get("SSL_CERT_FILE"), env.get("SSL_CERT_DIR")) if p and os.path.exists(p)]
+    for path in [*ro_paths, *rw_paths, chdir]:
+        if conflict := shown_conflict(path):
+            raise ShownPathRefused(f"{path} would show {conflict} to the box")
     ro_paths = [*ro_paths, *public]
     pys = {os.path.realpath(sys.base_prefix), os.path.abspath(sys.prefix)}
     shown = sorted({p for p in pys | {os.path.abspath(p) for p in ro_paths} if not p.startswith("/usr/")})
@@ -239,7 +298,7 @@ def agent_prefix(env: dict[str, str], ro_paths: list[str], chdir: str, tmp_bytes
     shown = [p for p in shown if not any(p.startswith(q + "/") for q in shown)]
     args += _ro_binds(shown, rw_paths)
     args += ["--perms", "0777", "--dir", "/tmp/home", "--chdir", chdir, "--remount-ro", "/", "--"]
-    return args + _drop_privileges(root)
+    return args + _drop_privileges(root, uid)
 
 
 def unshare_prefix() -> list[str]:
@@ -249,25 +308,39 @@ def unshare_prefix() -> list[str]:
     return [unshare, "--net", "--pid", "--ipc", "--uts", "--fork", "--kill-child", "--mount-proc", "--"]
 
 
-async def _exits_zero(argv: list[str], timeout_s: float) -> bool | None:
-    """Run a probe command: True when it exits 0, False when it fails, None
-    when it is still running after ``timeout_s`` (killed: no answer)."""
+async def _read_bounded(stream: asyncio.StreamReader, limit: int) -> bytes:
+    """The stream's first ``limit`` bytes; the rest is read and dropped, so
+    the writer never blocks on a full pipe."""
+    kept = b""
+    while chunk := await stream.read(1 << 16):
+        kept += chunk[:max(0, limit - len(kept))]
+    return kept
+
+
+async def _exits_zero(argv: list[str], timeout_s: float) -> tuple[bool | None, str]:
+    """Run a probe command: (True, "") when it exits 0, (False, the last line
+    of its stderr) when it fails, (None, "") when it is still running after
+    ``timeout_s`` (killed: no answer)."""
     try:
         proc = await asyncio.create_subprocess_exec(
             *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.DEVNULL, cwd="/", start_new_session=True, env=PROBE_ENV)
-    except OSError:
-        return False
+            stderr=asyncio.subprocess.PIPE, cwd="/", start_new_session=True, env=PROBE_ENV)
+    except OSError as e:
+        return False, str(e)
     try:
         async with asyncio.timeout(timeout_s):
-            return await proc.wait() == 0
+            # A probe's stderr is a line or a traceback: the tail is enough.
+            err = (await _read_bounded(proc.stderr, PROBE_STDERR_BYTES)).decode(errors="replace")
+            ok = await proc.wait() == 0
     except TimeoutError:
         try:
             os.killpg(proc.pid, 9)
         except ProcessLookupError:
             pass
         await proc.wait()
-        return None
+        return None, ""
+    lines = [line.strip() for line in err.splitlines() if line.strip()]
+    return ok, "" if ok else (lines[-1] if lines else f"exit status {proc.returncode}")
 
 
 def _probe_argv(layer: Layer, real_exe: str) -> list[str]:
@@ -284,10 +357,21 @@ def _probe_argv(layer: Layer, real_exe: str) -> list[str]:
 
 # A probe's whole environment (it runs as the sandboxed child would).
 PROBE_ENV = {"PATH": "/usr/bin:/bin"}
+PROBE_STDERR_BYTES = 64 << 10
+
+
+def _hint(stderr: str) -> str:
+    """The setting behind a bwrap error a host commonly gives, or ""."""
+    if "namespace" in stderr or "uid map" in stderr:
+        return ("; unprivileged user namespaces look disabled here (sysctls user.max_user_namespaces, "
+                "kernel.unprivileged_userns_clone, or Ubuntu's kernel.apparmor_restrict_unprivileged_userns "
+                "without an AppArmor profile for bwrap): allow them, or run the daemon as root")
+    return ""
 
 
 async def works(layer: Layer, exe: str) -> bool:
     """Whether ``layer`` runs ``exe`` here; when not, ``_why`` says why."""
+    global _fresh_procfs
     key = (layer, exe)
     if key in _works:
         return _works[key]
@@ -298,7 +382,19 @@ async def works(layer: Layer, exe: str) -> bool:
         _why[key] = f"{layer}: {e}"
     else:
         timeout_s = _probe_timeout.get(key, PROBE_TIMEOUT_S)
-        ok = await _exits_zero(argv, timeout_s)
+        ok, err = await _exits_zero(argv, timeout_s)
+        if not ok and layer == "bwrap" and PROC_REFUSED in err and _fresh_procfs:
+            # The kernel refused the box a procfs (see _fresh_procfs): the
+            # same box with an empty /proc.
+            _fresh_procfs = False
+            ok, err = await _exits_zero(_probe_argv(layer, interpreter(exe)), timeout_s)
+            if ok:
+                log.warning("sandbox.no_procfs", reason=f"bwrap: {PROC_REFUSED.lower()} in a user namespace",
+                            effect="boxes get an empty /proc: programs that read /proc/self see nothing",
+                            fix="run the daemon without read-only overmounts under /proc (the actor unit's "
+                                "ProtectKernelTunables=; see docs/security.md), or as root")
+            else:
+                _fresh_procfs = True
         if ok is None:
             # Not cached: a slow probe says the host is busy, not that the
             # layer is broken. The next run asks again, allowing longer.
@@ -306,9 +402,14 @@ async def works(layer: Layer, exe: str) -> bool:
             _why[key] = f"{layer}: probe timed out after {timeout_s:g} s"
             return False
         if not ok:
-            _why[key] = f"{layer}: probe failed (the layer cannot start {interpreter(exe)} here)"
+            _why[key] = f"{layer}: probe failed ({err}){_hint(err)}"
     _works[key] = ok  # concurrent first calls may both probe; they agree
     return ok
+
+
+def fresh_procfs() -> bool:
+    """Whether boxes get a procfs of their own (after a bwrap probe)."""
+    return _fresh_procfs
 
 
 def why_not(layer: Layer, exe: str) -> str:
@@ -333,9 +434,9 @@ async def choose(requested: Isolation, exe: str) -> Layer:
                     f"no OS isolation for this snippet (isolation={requested!r}; {'; '.join(failed)}): the "
                     "host was too busy to answer the probe; it is probed again on the next run")
             raise SandboxUnavailable(
-                f"no OS isolation for snippets (isolation={requested!r}; {'; '.join(failed)}): "
-                "install bubblewrap (apt-get install bubblewrap), or set isolation = \"none\" to run "
-                "snippets unisolated, as the daemon's user")
+                f"no OS isolation for snippets (isolation={requested!r}; {'; '.join(failed)}): fix that "
+                "(`rlnode check` probes it), or set isolation = \"none\" to run snippets unisolated, as the "
+                "daemon's user")
         if failed:
             # auto took a weaker layer than it prefers: files are then
             # protected by nobody's permissions only. Never silent; once per

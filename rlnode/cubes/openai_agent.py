@@ -50,7 +50,7 @@ from msgspec import Meta
 
 from rlnode.cubes import agent_sandbox
 from rlnode.cubes.agent_sandbox import AgentLimits
-from rlnode.cubes.agent_workers import AgentWorkers
+from rlnode.cubes.agent_workers import AgentWorkers, absolute_ref, ref_files
 from rlnode.cubes.base import (Action, AgentEndpoint, AgentTask, Cube, CubeError, CubeTask, CubeTaskRef,
                                Evaluation, Reset, Split, StepResult, ToolSpec)
 from rlnode.log import get_logger
@@ -137,6 +137,11 @@ class OpenAIAgentCube(Cube):
         from rlnode.cubes.registry import make_cube
 
         await agent_sandbox.check(self.opts.isolation, self.cube_id)
+        if self.opts.isolation == "bwrap":
+            o = self.opts
+            shown = agent_sandbox.shown_paths(o.command, allowed_env(o), o.cwd, o.ro_paths)
+            shown += [("options.agent", path) for path in ref_files(absolute_ref(o.agent))] if o.agent else []
+            agent_sandbox.check_shown(self.cube_id, shown)
         if self.opts.agent:
             o = self.opts
             self.workers = AgentWorkers(o.agent, o.workers, o.isolation, allowed_env(o), o.ro_paths, o.limits, o.cwd)

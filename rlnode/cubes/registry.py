@@ -73,9 +73,15 @@ def make_cube(cube_id: str, kind: str, options: dict[str, Any], seed: int) -> Cu
     return cls(cube_id, parse_options(kind, options), seed)
 
 
-async def open_cubes(specs, seed: int) -> dict[str, Cube]:
+async def open_cubes(specs, seed: int, guarded: dict[str, str] | None = None) -> dict[str, Cube]:
     """Build and start every configured cube (``CubeConfig``s); if one fails
-    to start, the ones already started are closed again."""
+    to start, the ones already started are closed again. ``guarded``:
+    {config key: path} no agent box may be shown (``isolation.guard_paths``),
+    set before the first cube starts."""
+    if guarded is not None:
+        from rlnode.cubes.isolation import guard_paths
+
+        guard_paths(guarded)
     cubes: dict[str, Cube] = {}
     try:
         for spec in specs:

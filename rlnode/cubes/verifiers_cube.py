@@ -74,6 +74,7 @@ from rlnode.cubes.base import (
 )
 from rlnode.cubes import agent_sandbox, vf_runtime
 from rlnode.cubes.agent_sandbox import AgentLimits
+from rlnode.cubes.vf_scripts import cache_root
 from rlnode.cubes.foreign_loop import ForeignLoop
 from rlnode.cubes.tasks import split_index
 from rlnode.log import get_logger
@@ -437,6 +438,10 @@ class VerifiersCube(Cube):
         await agent_sandbox.check(o.isolation, self.cube_id)
         if o.isolation == "bwrap":
             from rlnode.cubes.openai_agent import inherited_env
+
+            agent_sandbox.check_shown(self.cube_id, [
+                ("options.cache_dir (verifiers' scripts, uv cache and runtime folders)", str(cache_root(o.cache_dir))),
+                *agent_sandbox.shown_paths([], inherited_env(), "", [])])
 
             vf_runtime.install(o.limits, inherited_env(), o.cache_dir)
         if not self.tasks["train"]:

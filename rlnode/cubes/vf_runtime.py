@@ -23,11 +23,16 @@ server, MCP tool servers), so exactly those ports are relayed (box loopback
 -> unix socket -> host loopback); the link, the ops endpoint and any other
 port stay out of reach.
 
-File reads and writes of the runtime (``read``/``write``) stay verifiers'
-own, on the working directory from the host side. The working directory
-lives under rlnode's cache root, and PEP 723 scripts are prepared on the
-host and shown read-only (``vf_scripts``): nothing a box can write is run
-by another box.
+File reads and writes of the runtime (``read``/``write``, the log of
+``run_background``) are done on the working directory from the host side,
+as the daemon, so they never follow a link: every path component is opened
+beneath the working directory with ``O_NOFOLLOW`` (``open_beneath``), since
+the box can plant ``out.txt -> <run_dir>/link-keys/...`` there. A path
+outside the working directory is read inside the box (verifiers' own
+fallback through ``run``) and never written. The working directory is the
+box's alone: owned by its uid, mode 0700. It lives under rlnode's cache
+root, and PEP 723 scripts are prepared on the host and shown read-only
+(``vf_scripts``): nothing a box can write is run by another box.
 """
 
 from __future__ import annotations
@@ -36,8 +41,10 @@ import asyncio
 import json
 import os
 import shutil
+import errno
 import signal
 import socket
+import stat
 import sys
 import tempfile
 from typing import Any, AsyncIterator
@@ -51,6 +58,9 @@ from rlnode.log import get_logger
 log = get_logger("rlnode.cubes.vf_runtime")
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+# A read of a path outside the working directory, done in the box, with no
+# bound of the caller's: the most it returns.
+MAX_BOX_READ = 64 << 20
 
 # The box's first process: python -I -S -c BOX_INIT CTL_FD RELAY_DIR NPROC,AS,NOFILE,CPU
 BOX_INIT = agent_sandbox.SET_LIMITS + agent_sandbox.RELAY + r"""
@@ -121,6 +131,67 @@ while True:
 """
 
 
+def _relative_parts(workdir: str, path: str) -> list[str] | None:
+    """``path``'s components under ``workdir`` (relative, or absolute inside
+    it), or None for a path outside it; ``..`` counts as outside."""
+    if os.path.isabs(path):
+        if not path.startswith(workdir.rstrip("/") + "/"):
+            return None
+        path = path[len(workdir.rstrip("/")) + 1:]
+    parts = [p for p in path.split("/") if p not in ("", ".")]
+    return None if not parts or ".." in parts else parts
+
+
+def open_beneath(workdir: str, path: str, flags: int, mode: int = 0o644, make_dirs: bool = False) -> int:
+    """A descriptor of ``path`` inside ``workdir``, opened one component at a
+    time with O_NOFOLLOW from the directory before it: a symlink anywhere on
+    the way (ELOOP/ENOTDIR) or a path outside is PermissionError, never a
+    file outside the box. ``make_dirs``: create missing folders on the way."""
+    parts = _relative_parts(workdir, path)
+    if parts is None:
+        raise PermissionError(f"{path!r} is outside the runtime's working directory")
+    dir_fd = os.open(workdir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        for part in parts[:-1]:
+            if make_dirs:
+                try:
+                    os.mkdir(part, 0o755, dir_fd=dir_fd)
+                except FileExistsError:
+                    pass
+            try:
+                nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+            except OSError as e:
+                if e.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise PermissionError(f"{path!r}: {part!r} is a link or not a folder") from e
+                raise
+            os.close(dir_fd)
+            dir_fd = nxt
+        try:
+            return os.open(parts[-1], flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dir_fd)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise PermissionError(f"{path!r} is a link; the runtime's files are never followed out") from e
+            raise
+    finally:
+        os.close(dir_fd)
+
+
+def _read_beneath(workdir: str, path: str, max_bytes: int | None) -> bytes | None:
+    """The file's bytes (at most ``max_bytes``), or None when it is not a
+    regular file (a FIFO: left to the box, as verifiers does)."""
+    fd = open_beneath(workdir, path, os.O_RDONLY | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            return None
+        return f.read() if max_bytes is None else f.read(max_bytes)
+
+
+def _write_beneath(workdir: str, path: str, data: bytes) -> None:
+    fd = open_beneath(workdir, path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, make_dirs=True)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+
+
 class BoxError(RuntimeError):
     """The box could not start a process (or is gone)."""
 
@@ -142,11 +213,17 @@ class Box:
     async def start(self) -> None:
         self.relay_dir = tempfile.mkdtemp(prefix="rlnode-vfbox-")
         os.chmod(self.relay_dir, 0o711)
-        os.chmod(self.workdir, 0o777)  # the box's uid writes here; the directory is the runtime's alone
+        # The box's uid writes here and no other uid may: a root daemon's
+        # box gets a fresh uid (owner of the folder), a user-namespace box
+        # has the daemon's own.
+        box_uid = isolation.fresh_uid() if os.geteuid() == 0 else None
+        if box_uid is not None:
+            os.chown(self.workdir, box_uid, box_uid)
+        os.chmod(self.workdir, 0o700)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             prefix = isolation.agent_prefix(self.env, [self.relay_dir, *self.ro_paths], self.workdir,
-                                            self.limits.tmp_mib * 2**20, rw_paths=(self.workdir,))
+                                            self.limits.tmp_mib * 2**20, rw_paths=(self.workdir,), uid=box_uid)
             lim = self.limits
             argv = [*prefix, isolation.interpreter(sys.executable), "-I", "-S", "-c", BOX_INIT, str(theirs.fileno()),
                     self.relay_dir, f"{lim.processes},{lim.memory_mib * 2**20},{lim.open_files},{lim.cpu_s}"]
@@ -273,6 +350,7 @@ def make_walled_runtime(limits: AgentLimits, env: dict[str, str], scripts: Scrip
     Long because its classes are defined inside it: they subclass
     verifiers' runtime types, and verifiers (an optional dependency) is
     imported only when a walled verifiers cube starts."""
+    from verifiers.v1.errors import SandboxError
     from verifiers.v1.runtimes.base import ProgramResult, RuntimeProcess
     from verifiers.v1.runtimes.subprocess import SubprocessRuntime
 
@@ -411,11 +489,38 @@ def make_walled_runtime(limits: AgentLimits, env: dict[str, str], scripts: Scrip
 
         async def run_background(self, argv: list[str], env: dict[str, str], log: str) -> None:
             null = os.open(os.devnull, os.O_RDONLY)
-            with (self.workdir / log).open("wb") as f:
-                try:
-                    await self._start(argv, env, null, f.fileno(), f.fileno())
-                finally:
-                    os.close(null)
+            try:
+                fd = await asyncio.to_thread(open_beneath, str(self.workdir), log,
+                                             os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644, True)
+            except BaseException:
+                os.close(null)
+                raise
+            try:
+                await self._start(argv, env, null, fd, fd)
+            finally:
+                os.close(null)
+                os.close(fd)
+
+        async def _read(self, path: str, max_bytes: int | None = None) -> bytes:
+            if _relative_parts(str(self.workdir), path) is None:
+                # Not in the working directory: what the box sees there,
+                # read in the box (verifiers' generic, bounded path).
+                return await super(SubprocessRuntime, self)._read(path, max_bytes if max_bytes is not None
+                                                                  else MAX_BOX_READ)
+            try:
+                data = await asyncio.to_thread(_read_beneath, str(self.workdir), path, max_bytes)
+            except OSError as e:
+                raise SandboxError(f"read {path!r}: {e}") from e
+            if data is None:  # a FIFO or device: in the box, bounded
+                return await super(SubprocessRuntime, self)._read(path, max_bytes if max_bytes is not None
+                                                                  else MAX_BOX_READ)
+            return data
+
+        async def write(self, path: str, data: bytes) -> None:
+            try:
+                await asyncio.to_thread(_write_beneath, str(self.workdir), path, data)
+            except OSError as e:
+                raise SandboxError(f"write {path!r}: {e}") from e
 
         async def teardown(self) -> None:
             box, self._box = self._box, None

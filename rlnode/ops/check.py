@@ -255,6 +255,75 @@ def check_files(cfg: Config, role: str) -> list[Finding]:
     return out
 
 
+# Cube kinds that run code in the wall (rlnode/cubes/isolation.py) unless
+# their isolation option says "none": the option's key, and its default.
+WALLED_KINDS = {"openai-agent": (("isolation",), "bwrap"), "verifiers": (("isolation",), "bwrap"),
+                "python-math": (("sandbox", "isolation"), "auto")}
+
+
+def _walled_cubes(cfg: Config) -> list[str]:
+    """``actor.cubes[i] (id).options.KEY`` of each cube that needs the wall."""
+    out = []
+    for i, c in enumerate(cfg.actor.cubes):
+        if c.kind not in WALLED_KINDS:
+            continue
+        path, default = WALLED_KINDS[c.kind]
+        value = c.options
+        for key in path:
+            value = value.get(key, {}) if isinstance(value, dict) else {}
+        if (value or default) != "none":
+            out.append(f"actor.cubes[{i}] ({c.id}).options.{'.'.join(path)}")
+    return out
+
+
+def check_wall(cfg: Config, role: str, unit: str | None = None, unit_user: str | None = None,
+               prelude: str = "") -> list[Finding]:
+    """Whether agents' and snippets' boxes start here, as this user, or with
+    ``unit`` as that systemd unit runs the daemon (``ops/as_unit.py``; its
+    ``User=``, or ``unit_user`` in its place). FAIL when a configured cube
+    needs the wall and it does not start; the cube's key is named."""
+    import asyncio
+    import subprocess
+
+    from rlnode.ops import as_unit
+
+    if role not in ("actor", "all"):
+        return []
+    walled = _walled_cubes(cfg)
+    who = "as this user"
+    try:
+        if unit is None:
+            seen = asyncio.run(as_unit.probe_wall())
+        else:
+            restrictions = as_unit.read_unit(unit)
+            who = f"as {unit} runs it (user {unit_user or restrictions.user})"
+            argv = as_unit.argv_as_unit(restrictions, [sys.executable, "-m", "rlnode.ops.as_unit"], user=unit_user,
+                                        prelude=prelude)
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd="/")
+            lines = done.stdout.strip().splitlines()
+            if done.returncode != 0 or not lines:
+                tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+                return [Finding(FAIL, "wall", f"the wall's probe did not run {who}: {tail} (can that user run "
+                                f"{sys.executable} and read rlnode's files?)")]
+            seen = json.loads(lines[-1])
+    except as_unit.UnitError as e:
+        return [Finding(FAIL, "wall", str(e))]
+    if not seen["works"]:
+        level = FAIL if walled else WARN
+        needs = (f"; needed by {', '.join(walled)}. Fix that, or set those keys to \"none\" (unwalled, as the "
+                 "daemon's user)") if walled else \
+            "; no configured cube needs it (openai-agent, verifiers and python-math cubes would)"
+        return [Finding(level, "wall", f"agents' and snippets' boxes cannot start {who}: {seen['why']}{needs}")]
+    kind = "a fresh uid per run (privileged bwrap, then setpriv)" if seen["uid"] == 0 else \
+        "uid 65534 in a user namespace (the daemon's own kernel uid: the bind view is the wall)"
+    detail = f"boxes start {who}: {kind}"
+    if not seen["fresh_procfs"]:
+        return [Finding(WARN, "wall", f"{detail}; their /proc is empty: the kernel refuses a procfs in a user "
+                        "namespace while /proc has read-only overmounts (systemd's ProtectKernelTunables=). "
+                        "Programs that read /proc/self in a box see nothing (docs/security.md)")]
+    return [Finding(OK, "wall", detail)]
+
+
 def check_exposure(cfg: Config, role: str) -> list[Finding]:
     """What the daemons refuse at start: a trainer link beyond loopback
     without keys, key files this role needs, an HTTP endpoint beyond
@@ -314,7 +383,7 @@ def check_parsers(cfg: Config) -> list[Finding]:
 
 
 def run_checks(cfg: Config, role: str = "all", gpus: int | None = None, stack: bool = True,
-               gpu_gib: float | None = None) -> list[Finding]:
+               gpu_gib: float | None = None, unit: str | None = None, unit_user: str | None = None) -> list[Finding]:
     """Every finding for ``role`` on this machine (``gpus``: override the
     visible GPU count, for tests and for checking a config for another box;
     ``stack``: also the software stack, ``ops/stack.py``)."""
@@ -324,6 +393,7 @@ def run_checks(cfg: Config, role: str = "all", gpus: int | None = None, stack: b
     findings += check_devices(cfg, role, gpus)
     findings += check_network(cfg, role)
     findings += check_files(cfg, role)
+    findings += check_wall(cfg, role, unit, unit_user)
     if stack:
         findings += check_stack(cfg, role, gpus, here, None if gpu_gib is None else int(gpu_gib * 2**30))
         if role in ("actor", "all"):
@@ -331,8 +401,9 @@ def run_checks(cfg: Config, role: str = "all", gpus: int | None = None, stack: b
     return findings
 
 
-def main_check(cfg: Config, role: str, as_json: bool, gpus: int | None = None, gpu_gib: float | None = None) -> int:
-    findings = run_checks(cfg, role, gpus, gpu_gib=gpu_gib)
+def main_check(cfg: Config, role: str, as_json: bool, gpus: int | None = None, gpu_gib: float | None = None,
+               unit: str | None = None, unit_user: str | None = None) -> int:
+    findings = run_checks(cfg, role, gpus, gpu_gib=gpu_gib, unit=unit, unit_user=unit_user)
     failed = [f for f in findings if f.level == FAIL]
     if as_json:
         print(json.dumps({"ok": not failed, "role": role,

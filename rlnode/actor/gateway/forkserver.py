@@ -25,7 +25,9 @@ killed): a daemon killed -9 leaves no server, and its hosts end with their
 channels as before. A server that died is started again at the next host
 start.
 
-Must not hold anything of an episode or a session: it only forks.
+Must not hold anything of an episode or a session: it only forks. Started
+with an allowlisted environment (``host_env``): no credential of the
+daemon's reaches the process that parses agents' HTTP.
 """
 
 from __future__ import annotations
@@ -41,6 +43,27 @@ import struct
 import subprocess
 import sys
 import threading
+
+# What the server (and so every host) keeps of the daemon's environment: the
+# process basics, locale, and the settings of the libraries a host runs
+# (transformers' tokenizer, vLLM's parsers, torch's threads). A host parses
+# agents' HTTP, so no credential goes with it: HF_TOKEN, the ops token
+# (RLNODE_HTTP_TOKEN), cloud keys and any name that looks like a secret are
+# dropped even under an allowed prefix (VLLM_API_KEY).
+HOST_ENV_ALLOW = ("PATH", "HOME", "LANG", "LANGUAGE", "TZ", "TMPDIR", "VIRTUAL_ENV", "PYTHONPATH", "PYTHONHASHSEED",
+                  "XDG_CACHE_HOME", "HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE",
+                  "TOKENIZERS_PARALLELISM", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "MALLOC_ARENA_MAX")
+HOST_ENV_PREFIXES = ("LC_", "VLLM_", "TORCH_")
+SECRET_MARKERS = ("TOKEN", "SECRET", "KEY", "PASSWORD", "PASSWD", "CREDENTIAL", "AUTH")
+
+
+def host_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment the fork server (and every gateway host) starts with."""
+    environ = os.environ if environ is None else environ
+    return {k: v for k, v in environ.items()
+            if (k in HOST_ENV_ALLOW or k.startswith(HOST_ENV_PREFIXES))
+            and not any(m in k.upper() for m in SECRET_MARKERS)}
+
 
 _FORK = b"F"
 _FORKED = struct.Struct("!ci")  # b"P", pid (with a pidfd) | b"E", errno
@@ -143,7 +166,7 @@ class HostForkServer:
         try:
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", "rlnode.actor.gateway.forkserver", str(theirs.fileno())],
-                pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
+                pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, env=host_env(),
                 # Its own session, like the hosts: a terminal's Ctrl-C is the
                 # daemon's to handle; the server ends with the daemon's socket.
                 start_new_session=True)
