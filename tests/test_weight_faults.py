@@ -211,6 +211,14 @@ class GlooActor:
         self.node_id = node_id
         self.link = ActorLink(endpoint, node_id, [(0, 1)], link_cfg)
         self.frozen = False
+        # wedged: its weight-receive thread hangs in its next LoadWeights
+        # (holding the engine's update lock) and never answers; heartbeats
+        # and probes go on. join_fails: it cannot reach the trainer's
+        # rendezvous (a firewalled port): every JoinEpoch fails, probes are
+        # answered.
+        self.wedged = False
+        self.join_fails = False
+        self._unwedge = threading.Event()
         self.version = -1
         self.received: dict[str, torch.Tensor] = {}
         self.probes = 0
@@ -228,6 +236,7 @@ class GlooActor:
             if t is not None:
                 t.cancel()
         await asyncio.gather(*(t for t in [self._serving, *self._tasks] if t is not None), return_exceptions=True)
+        self._unwedge.set()
         await self.link.close()
         await asyncio.to_thread(self._leave)
 
@@ -248,9 +257,14 @@ class GlooActor:
         try:
             match req.command:
                 case JoinEpoch(spec=spec):
+                    if self.join_fails:
+                        raise ConnectionRefusedError(f"cannot reach the rendezvous {spec.master_host}:{spec.master_port}")
                     rank = spec.member(f"{self.node_id}/0").first_rank
                     await asyncio.to_thread(self._join, spec, rank)
                     result = EpochJoined(spec.epoch)
+                case LoadWeights() if self.wedged:
+                    await asyncio.to_thread(self._wedge)
+                    return  # never answered
                 case LoadWeights(plan=plan):
                     await asyncio.to_thread(self._receive, plan)
                     result = WeightsLoaded(plan.version, 0.0)
@@ -267,6 +281,10 @@ class GlooActor:
         if self._comm is not None:
             comm, self._comm = self._comm, None
             comm.close()
+
+    def _wedge(self) -> None:
+        with self._engine_lock:
+            self._unwedge.wait()
 
     def _join(self, spec: GroupSpec, rank: int) -> None:
         with self._engine_lock:
@@ -302,8 +320,8 @@ async def _eventually(cond, timeout_s: float, what: str) -> None:
 
 async def test_a_member_that_keeps_failing_is_benched_and_rejoins_when_it_answers(monkeypatch):
     """Two actors; one freezes (its daemon heartbeats, nothing answers).
-    After trainer.weights.bench_after failures named on it (its rank does
-    not join), it is benched: the next push forms an epoch with the healthy
+    After trainer.weights.bench_after failures named on it (silent in the
+    plan vote, then its rank does not join), it is benched: the next push forms an epoch with the healthy
     actor alone and lands, the trainer's wait for its engines no longer
     counts the frozen one, and the failures are not the trainer's own
     (health stays green). While frozen its probes go unanswered; thawed, a
@@ -345,15 +363,18 @@ async def test_a_member_that_keeps_failing_is_benched_and_rejoins_when_it_answer
 
             frozen.frozen = True
             await asyncio.to_thread(pusher.guard.step, lambda: _Stepped())
-            assert not await pusher.push()  # the frozen rank never votes on the plan: names no one
-            assert not await pusher.push()  # a new epoch: its rank does not join (1st failure named on it)
+            # The frozen rank never votes on the plan; the healthy actor
+            # reports the vote's failure, the frozen one is silent: named
+            # (1st failure on it), not the trainer's own.
+            assert not await pusher.push()
+            assert pusher.strikes[pid["frozen"]] == 1 and pusher.own_failures_in_a_row == 0
             assert pusher.health() == "" and not pusher.benched
             # The failed epoch is not a group: /status shows no members while
             # pusher.members still names the two it tried (before: /status
             # showed both, and a test waiting for both to be in the group
             # went on while one had never joined).
             assert set(pusher.members) == {pid["good"], pid["frozen"]} and pusher.group_members() == []
-            assert not await pusher.push()  # 2nd: benched
+            assert not await pusher.push()  # a new epoch: its rank does not join (2nd): benched
             assert list(pusher.benched) == [pid["frozen"]], pusher.last_error
             assert "did not join" in pusher.benched[pid["frozen"]].reason
             assert await pusher.push()  # the healthy actor alone, in a new epoch
@@ -388,6 +409,125 @@ async def test_a_member_that_keeps_failing_is_benched_and_rejoins_when_it_answer
                 await a.close()
             await asyncio.to_thread(bc.close_group)
             await link.close()
+
+
+def _pusher(monkeypatch):
+    """A real trainer link and WeightPusher (gloo, TIMEOUT_S per collective,
+    bench_after 2, max_failures 2), fast probes; and the link's settings."""
+    from rlnode.config import LinkConfig
+    from rlnode.link.trainer_link import TrainerLink
+    from rlnode.trainer import weight_push as push
+    from rlnode.trainer.weight_push import WeightPusher
+    from rlnode.weights.broadcast import WeightGuard
+
+    from daemons import free_port
+
+    monkeypatch.setattr(push, "PROBE_MIN_S", 0.2)
+    monkeypatch.setattr(push, "PROBE_MAX_S", 1.6)
+    monkeypatch.setattr(push, "PROBE_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(push, "PROBE_REPLY_SLACK_S", 0.5)
+    link_cfg = LinkConfig(heartbeat_s=0.3, peer_timeout_s=10)
+    link = TrainerLink(f"tcp://127.0.0.1:{free_port()}", link_cfg)
+    bc = WeightBroadcaster(WeightSyncConfig(backend="gloo", bucket_mb=1, base_port=29500 + os.getpid() % 20000),
+                           master_host="127.0.0.1", timeout_s=TIMEOUT_S)
+    pusher = WeightPusher(link, bc, _model(), WeightGuard(0), request_timeout_s=TIMEOUT_S + 30, max_failures=2,
+                          bench_after=2)
+    return link, bc, pusher, link_cfg
+
+
+async def _started(link, link_cfg, names, actors: list) -> dict[str, str]:
+    """Start the link, then a GlooActor per name on its endpoint (appended
+    to ``actors`` as each starts, for the caller's cleanup); peer ids by name."""
+    await link.start()
+    for name in names:
+        actors.append(GlooActor(link.endpoint, name, link_cfg))
+        await actors[-1].start()
+    await _eventually(lambda: sum(p.connected for p in link.peers().values()) == len(names), 30, "the actors")
+    return {p.node_id: p.peer_id for p in link.peers().values()}
+
+
+async def _closed(link, bc, actors, background=None) -> None:
+    if background is not None:
+        background.cancel()
+        await asyncio.gather(background, return_exceptions=True)
+    for a in actors:
+        await a.close()
+    await asyncio.to_thread(bc.close_group)
+    await link.close()
+
+
+async def test_a_member_that_joins_and_never_votes_is_named_and_benched(monkeypatch):
+    """Two actors in a working epoch; one's weight-receive thread wedges
+    (it joined, its heartbeats and probes go on, its LoadWeights is never
+    answered). The plan vote times out on the trainer's side and on the
+    healthy actor's, which reports it; the wedged one stays silent and is
+    named: its strike, not the trainer's own failure. The next epoch cannot
+    take it (its engine's update lock is held) and it is benched; the
+    healthy actor gets the weights, health stays green. Before: the vote's
+    TransferError named nobody, counted as the trainer's own, and after
+    max_failures (2 here) the trainer's /healthz went red."""
+    link, bc, pusher, link_cfg = _pusher(monkeypatch)
+    actors: list[GlooActor] = []
+    with keep_stdout():
+        try:
+            pid = await _started(link, link_cfg, ("good", "wedged"), actors)
+            good, wedged = actors
+            assert await pusher.push() and good.version == wedged.version == 0
+            wedged.wedged = True
+            await asyncio.to_thread(pusher.guard.step, lambda: _Stepped())
+            assert not await pusher.push()
+            assert "no answer from" in pusher.last_error and pid["wedged"] in pusher.last_error, pusher.last_error
+            assert pusher.strikes == {pid["good"]: 0, pid["wedged"]: 1}
+            assert pusher.own_failures_in_a_row == 0 and pusher.health() == ""
+            assert not await pusher.push()  # a new epoch: its rank cannot join (2nd strike): benched
+            assert list(pusher.benched) == [pid["wedged"]] and pusher.own_failures_in_a_row == 0
+            assert await pusher.push() and good.version == 1 and set(pusher.members) == {pid["good"]}
+            assert pusher.health() == ""
+            (shown,) = pusher.bench_status()
+            assert shown["node_id"] == "wedged" and shown["why"].startswith("benched: ")
+        finally:
+            await _closed(link, bc, actors)
+
+
+async def test_a_member_that_answers_probes_but_cannot_join_is_readmitted_ever_later(monkeypatch):
+    """An actor whose every join fails (the trainer's rendezvous port is
+    firewalled from it) but whose probes are answered: benched, readmitted,
+    benched again at its first push. Each time it comes back later
+    (PROBE_MIN_S doubling per failed readmission, bounded), its bench entry
+    says why and names the setting, and the healthy actor gets every
+    version; health stays green. Before: readmitted every PROBE_MIN_S, a
+    full rendezvous timeout each time, with nothing saying why."""
+    from rlnode.trainer import weight_push as push
+
+    link, bc, pusher, link_cfg = _pusher(monkeypatch)
+    actors: list[GlooActor] = []
+    background = None
+    with keep_stdout():
+        try:
+            pid = await _started(link, link_cfg, ("good", "walled"), actors)
+            good, walled = actors
+            walled.join_fails = True
+            assert not await pusher.push() and not await pusher.push()  # two strikes: benched
+            assert list(pusher.benched) == [pid["walled"]] and pusher.benched[pid["walled"]].failed_readmissions == 0
+            benched_at: list[tuple[int, float]] = []  # (failed readmissions, seconds to its first probe)
+            real_bench = pusher._bench
+
+            def bench(p, why):
+                real_bench(p, why)
+                b = pusher.benched[p]
+                benched_at.append((b.failed_readmissions, round(b.next_probe_at - time.monotonic(), 1)))
+
+            pusher._bench = bench
+            background = asyncio.create_task(pusher.run())
+            await _eventually(lambda: len(benched_at) >= 3, 120, "three readmissions that failed")
+            assert [n for n, _ in benched_at[:3]] == [1, 2, 3]
+            assert [d for _, d in benched_at[:3]] == [min(push.PROBE_MAX_S, 0.2 * 2 ** n) for n in (1, 2, 3)]
+            (shown,) = pusher.bench_status()
+            assert shown["failed_readmissions"] >= 1 and "trainer.weights.base_port" in shown["why"], shown
+            assert pusher.readmissions >= 3 and pusher.health() == "" and pusher.own_failures_in_a_row == 0
+            assert good.version == pusher.pushed_version == pusher.guard.version  # nothing held back
+        finally:
+            await _closed(link, bc, actors, background)
 
 
 def test_bench_after_is_validated():

@@ -193,13 +193,16 @@ class WeightSyncConfig(Section):
     # actors (bench_after) instead.
     max_failures: PositiveInt = 5
     # Failed weight conversations in a row (a join or an update it did not
-    # confirm, a rank it did not bring to the rendezvous) after which an
-    # actor is left out of the weight group (benched): the others go on in
-    # a new epoch without it, and the trainer's wait for its engines counts
-    # only the members. Only when another member of that conversation did
-    # its part (else nothing shows the trainer's own side works). A benched
-    # actor is probed (weights.protocol.Probe: every engine answers through
-    # its engine core) with backoff, and rejoins when it answers. >= 1.
+    # confirm, a rank it did not bring to the rendezvous, silence after a
+    # plan vote or broadcast timed out while the other members reported it)
+    # after which an actor is left out of the weight group (benched): the
+    # others go on in a new epoch without it, and the trainer's wait for its
+    # engines counts only the members. Only when another member of that
+    # conversation did its part (else nothing shows the trainer's own side
+    # works). A benched actor is probed (weights.protocol.Probe: every
+    # engine answers through its engine core) with backoff, and rejoins when
+    # it answers; one benched again before a push with it lands waits twice
+    # as long each time (up to 30 s) before its next readmission. >= 1.
     bench_after: PositiveInt = 2
 
 

@@ -16,7 +16,10 @@ the current weights, so a rejoining actor catches up at once.
 
 A member that fails leaves (benched): failures are laid at the actors they
 name (a ``PushFailed`` names its peers; a rendezvous that times out names
-the ranks that did not come, mapped back to their actors). An actor named
+the ranks that did not come, mapped back to their actors; a plan vote or
+broadcast that times out names the members that had not answered
+``SILENT_WAIT_S`` later while the others reported it: ``SilentMembers``,
+a member stalled after it joined). An actor named
 in ``bench_after`` failed conversations in a row, each of which another
 member did complete, is left out of the epochs that follow, so the others
 keep getting weights and the trainer keeps stepping (``engines_behind``
@@ -26,7 +29,9 @@ each. A benched actor is probed (``Probe``: every engine answers through
 its engine core, no weight job in its way), first ``PROBE_MIN_S`` after it
 was benched, then doubling per unanswered probe to ``PROBE_MAX_S``; when it
 answers it is let back in and a push is requested at once (rendezvous and
-channel check included), on probation: one more failure benches it again.
+channel check included), on probation: one more failure benches it again,
+and each such failed readmission in a row doubles the wait before its first
+probe (bounded by ``PROBE_MAX_S``); ``bench_status`` says why (``why``).
 A new incarnation of the node (a restart) starts with a clean record.
 
 Guarantees:
@@ -61,7 +66,7 @@ from rlnode.link.trainer_link import TrainerLink
 from rlnode.log import get_logger
 from rlnode.weights.broadcast import BroadcastStats, WeightBroadcaster, WeightGuard, update_tensors
 from rlnode.weights.lora import adapter_tensors
-from rlnode.weights.plan import AdapterSpec, PlanMismatch, WeightUpdateError, WeightUpdatePlan
+from rlnode.weights.plan import AdapterSpec, PlanMismatch, TransferError, WeightUpdateError, WeightUpdatePlan
 from rlnode.weights.protocol import JoinEpoch, LoadWeights, Probe, WeightCommand
 from rlnode.weights.rendezvous import RendezvousError
 
@@ -73,13 +78,34 @@ RETRY_MIN_S = 1.0
 RETRY_MAX_S = 60.0
 # After a vote against a plan, how long to wait for the actors' reasons (s).
 REJECT_REASONS_WAIT_S = 5.0
+# After the trainer's side of a collective failed, how long members have to
+# report that failure (s): each member's side fails on the same group
+# timeout, so a live one answers within moments; one still silent then is
+# stalled (its receive wedged after it joined) and is named (SilentMembers).
+SILENT_WAIT_S = 15.0
 # A benched actor's probes (s): the first PROBE_MIN_S after it was benched,
 # then doubling per unanswered probe, at most PROBE_MAX_S apart. Each gives
-# the engines PROBE_TIMEOUT_S, and the reply PROBE_REPLY_SLACK_S more.
+# the engines PROBE_TIMEOUT_S, and the reply PROBE_REPLY_SLACK_S more. An
+# actor that answers probes but is benched again before a push with it
+# lands (it cannot join: a firewalled rendezvous port) waits longer each
+# time: its first probe PROBE_MIN_S * 2**failed_readmissions after it was
+# benched, at most PROBE_MAX_S, so it costs the others a failed push per
+# PROBE_MAX_S at worst, not one every few seconds.
 PROBE_MIN_S = 2.0
 PROBE_MAX_S = 30.0
 PROBE_TIMEOUT_S = 10.0
 PROBE_REPLY_SLACK_S = 5.0
+
+
+class SilentMembers(TransferError):
+    """The trainer's side of a join or an update failed (a vote or broadcast
+    timed out: a collective waits for everyone), and some members had not
+    answered at all ``SILENT_WAIT_S`` later while others had reported the
+    same failure: the silent ones are the stall. ``failed``: peer id -> why."""
+
+    def __init__(self, message: str, failed: dict[str, str]):
+        super().__init__(message)
+        self.failed = dict(failed)
 
 
 class PushFailed(WeightUpdateError):
@@ -102,6 +128,7 @@ class Benched:
     next_probe_at: float  # monotonic
     probes: int = 0  # unanswered since it was benched
     probe_error: str = ""  # why the last probe went unanswered
+    failed_readmissions: int = 0  # let back in, then benched again before a push with it landed
 
 
 class WeightPusher:
@@ -134,6 +161,10 @@ class WeightPusher:
         self.last_error = ""
         self.strikes: dict[str, int] = {}  # peer_id -> failed conversations in a row
         self.benched: dict[str, Benched] = {}  # peer_id -> left out of the group since
+        # peer_id -> readmissions in a row that ended benched again (reset by
+        # a push that lands with it as a member).
+        self.failed_readmissions: dict[str, int] = {}
+        self._on_probation: set[str] = set()  # readmitted, no push landed with it yet
         self.benches = 0  # in total
         self.readmissions = 0  # benched actors let back in after answering a probe
         self._bench_changed = asyncio.Event()  # wakes the probe loop
@@ -189,7 +220,8 @@ class WeightPusher:
         """The benched actors, for /status."""
         now = time.monotonic()
         return [{"peer": pid, "node_id": b.node_id, "since": b.since, "reason": b.reason, "probes": b.probes,
-                 "next_probe_in_s": round(max(0.0, b.next_probe_at - now), 1), "probe_error": b.probe_error}
+                 "next_probe_in_s": round(max(0.0, b.next_probe_at - now), 1), "probe_error": b.probe_error,
+                 "failed_readmissions": b.failed_readmissions, "why": _bench_why(b)}
                 for pid, b in self.benched.items()]
 
     def _live_peers(self) -> dict[str, tuple[str, list]]:
@@ -280,7 +312,7 @@ class WeightPusher:
         """The members ``e`` names (peer id -> why): the peers a PushFailed
         lists, the actors whose ranks a rendezvous found missing or
         unproven; {} when it names no one."""
-        if isinstance(e, PushFailed):
+        if isinstance(e, (PushFailed, SilentMembers)):
             return {pid: why for pid, why in e.failed.items() if pid in self.members}
         if isinstance(e, RendezvousError):
             return {self._rank_peer[r]: str(e) for r in e.ranks if self._rank_peer.get(r) in self.members}
@@ -288,7 +320,13 @@ class WeightPusher:
 
     def _bench(self, pid: str, why: str) -> None:
         node_id = self.members[pid][0] if pid in self.members else pid.split("/", 1)[0]
-        self.benched[pid] = Benched(node_id, why[:300], time.time(), time.monotonic() + PROBE_MIN_S)
+        if pid in self._on_probation:  # let back in, and out again before a push with it landed
+            self._on_probation.discard(pid)
+            self.failed_readmissions[pid] = self.failed_readmissions.get(pid, 0) + 1
+        again = self.failed_readmissions.get(pid, 0)
+        first_probe_s = min(PROBE_MAX_S, PROBE_MIN_S * 2 ** again)
+        self.benched[pid] = Benched(node_id, why[:300], time.time(), time.monotonic() + first_probe_s,
+                                    failed_readmissions=again)
         self.benches += 1
         self._bench_changed.set()
         self._progress.set()  # wait_engines: the benched one no longer counts
@@ -299,9 +337,10 @@ class WeightPusher:
         """Records of peers the link no longer knows (a new incarnation of
         the node replaced them) go: the restarted node starts clean."""
         known = self.link.peers()
-        for table in (self.benched, self.strikes):
+        for table in (self.benched, self.strikes, self.failed_readmissions):
             for pid in [p for p in table if p not in known]:
                 del table[pid]
+        self._on_probation &= set(known)
 
     async def _probe_loop(self) -> None:
         """Probe each benched actor when its time comes (see the module doc)."""
@@ -341,6 +380,7 @@ class WeightPusher:
             return
         del self.benched[pid]
         self.strikes[pid] = self.bench_after - 1
+        self._on_probation.add(pid)
         self.readmissions += 1
         log.info("weights.peer_readmitted", peer=pid, benched_s=round(time.time() - b.since, 1),
                  probes=b.probes + 1)
@@ -354,6 +394,8 @@ class WeightPusher:
         self.failures_in_a_row, self.own_failures_in_a_row, self.last_error = 0, 0, ""
         for pid in self.members:
             self.strikes[pid] = 0
+            self.failed_readmissions.pop(pid, None)
+            self._on_probation.discard(pid)
         self.pushed_version = plan.version
         self._progress.set()
         self.last_push_s = push_s
@@ -369,11 +411,13 @@ class WeightPusher:
         push for the whole request timeout; the epoch is unusable anyway),
         except after a vote against the plan: the receivers decided already,
         so their reasons are waited for (briefly) and named in the error.
-        PushFailed names the members that failed after ``own`` completed."""
+        PushFailed names the members that failed after ``own`` completed;
+        SilentMembers those that had not answered ``SILENT_WAIT_S`` after
+        ``own`` failed on a collective while others had answered."""
         peers, kind = list(self.members), type(command).__name__
-        replies = asyncio.gather(*(
-            self.link.request(pid, command, timeout_s=self.request_timeout_s) for pid in peers
-        ), return_exceptions=True)
+        asks = [asyncio.ensure_future(self.link.request(pid, command, timeout_s=self.request_timeout_s))
+                for pid in peers]
+        replies = asyncio.gather(*asks, return_exceptions=True)
         try:
             try:
                 result = await own
@@ -381,6 +425,19 @@ class WeightPusher:
                 await asyncio.wait([replies], timeout=REJECT_REASONS_WAIT_S)
                 why = _failed_peers(kind, peers, replies.result()) if replies.done() else {}
                 raise PlanMismatch(f"{e}; {why or 'no reasons received'}") from e
+            except TransferError as e:
+                if isinstance(e, RendezvousError) or len(peers) < 2:
+                    raise  # a rendezvous names its missing ranks itself; one member is the whole group
+                await asyncio.wait(asks, timeout=SILENT_WAIT_S)
+                # Answered: a reply came, success or the same failure. Silent:
+                # none yet, or the request itself timed out or was lost.
+                silent = [pid for pid, ask in zip(peers, asks)
+                          if not ask.done() or ask.cancelled() or ask.exception() is not None]
+                if silent and len(silent) < len(peers):
+                    why = (f"joined the epoch but did not answer {kind} within {SILENT_WAIT_S:g} s of the "
+                           f"trainer's failure ({e}), while the other members did")
+                    raise SilentMembers(f"{e}; no answer from {silent}", {pid: why for pid in silent}) from e
+                raise
             outcomes = await replies
         finally:
             if not replies.done():
@@ -439,6 +496,15 @@ class WeightPusher:
             plan = self.broadcaster.plan(tensors, version, adapter=self.adapter)
             loop.call_soon_threadsafe(_resolve, planned, plan)
             return self.broadcaster.broadcast(plan, tensors)
+
+
+def _bench_why(b: Benched) -> str:
+    """What the benched actor's health line says."""
+    why = f"benched: {b.reason}"
+    if b.failed_readmissions:
+        why += (f"; answered probes but failed again after {b.failed_readmissions} readmission(s) in a row "
+                "(can it reach the trainer's weight rendezvous ports? trainer.weights.base_port and up)")
+    return why
 
 
 def _failed_peers(kind: str, peers: list[str], outcomes: list) -> dict[str, str]:
