@@ -55,6 +55,18 @@ async def exits(task, base_url, api_key):
     raise SystemExit("no API key for the remote sandbox")
 
 
+async def flood_output(task, base_url, api_key):
+    """A worker's agent that floods its stdout and stderr (16 MiB each, and
+    a forged log line), then ends its worker process."""
+    line = b"2026-01-01 00:00:00 [error    ] forged.daemon_line\n"
+    for stream in (sys.stdout.buffer, sys.stderr.buffer):
+        for _ in range(16):
+            stream.write(line + b"y" * (1 << 20))
+        stream.write(b"\nFLOOD-END\n")
+        stream.flush()
+    os._exit(7)
+
+
 async def no_reward(task, base_url, api_key):
     await one_call(base_url, api_key)
 
@@ -180,6 +192,24 @@ def hog_memory() -> str:
     return f"allowed: held {len(block) >> 20} MiB"
 
 
+def write_big_file() -> str:
+    """A 64 MiB file in its working folder (the private /tmp here)."""
+    path = os.path.join(os.environ.get("TMPDIR", "/tmp"), "big.bin")
+    written = 0
+    try:
+        with open(path, "wb") as f:
+            for _ in range(64):
+                f.write(b"z" * (1 << 20))
+                f.flush()
+                written += 1
+        return f"allowed: wrote {written} MiB"
+    except OSError as e:
+        return f"refused: after {written} MiB: {type(e).__name__} {e.errno}"
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+
+
 def open_connections(base_url: str, count: int = 10_000) -> str:
     """Open ``count`` connections to the gateway and hold them."""
     import socket
@@ -232,6 +262,11 @@ async def flood(task, base_url, api_key):
     return _limit_outcome(open_connections, base_url)
 
 
+async def bigfile(task, base_url, api_key):
+    await one_call(base_url, api_key)
+    return _limit_outcome(write_big_file)
+
+
 def _limit_outcome(what, *args) -> float:
     """0.0 when the agent got all it asked for; raises when a limit held."""
     try:
@@ -279,8 +314,9 @@ def command_main(mode: str) -> int:
     if mode == "steal":
         print("REPORT " + json.dumps(steal_the_link()), file=sys.stderr)
         return 3
-    if mode in ("bomb", "hog", "flood"):
-        what = {"bomb": fork_until_refused, "hog": hog_memory, "flood": lambda: open_connections(base_url)}[mode]
+    if mode in ("bomb", "hog", "flood", "bigfile"):
+        what = {"bomb": fork_until_refused, "hog": hog_memory, "flood": lambda: open_connections(base_url),
+                "bigfile": write_big_file}[mode]
         try:
             _limit_outcome(what)
         except RuntimeError as e:
@@ -292,6 +328,13 @@ def command_main(mode: str) -> int:
         return 0
     if mode == "fail":
         print("agent says: cannot continue", file=sys.stderr)
+        return 3
+    if mode == "stderr_flood":  # 64 MiB on stderr, a last line, a failure
+        chunk = b"x" * (1 << 20)
+        for _ in range(64):
+            sys.stderr.buffer.write(chunk)
+        sys.stderr.buffer.write(b"\nSTDERR-END\n")
+        sys.stderr.flush()
         return 3
     if mode == "post":
         with httpx.Client(headers={"Authorization": f"Bearer {task['reward_key']}"}) as http:

@@ -103,12 +103,13 @@ async def test_an_agent_cannot_take_the_nodes_link_keys(kind, gateway, tmp_path)
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("abuse", ["bomb", "hog", "flood"])
+@pytest.mark.parametrize("abuse", ["bomb", "hog", "flood", "bigfile"])
 async def test_an_agent_past_its_limits_fails_its_episode_alone(kind, abuse, gateway, tmp_path):
-    """A fork bomb, 10,000 gateway connections and a 2 GiB memory hog each
-    end as that episode's error (the limit held: the agent was refused),
-    while another agent's episodes, started at the same time, score."""
-    limits = {"processes": 64, "memory_mib": 1024, "open_files": 256}
+    """A fork bomb, 10,000 gateway connections, a 2 GiB memory hog and a
+    64 MiB file each end as that episode's error (the limit held: the agent
+    was refused), while another agent's episodes, started at the same time,
+    score."""
+    limits = {"processes": 64, "memory_mib": 1024, "open_files": 256, "file_mib": 16, "tmp_mib": 128}
     bad = await started({**agent(kind, abuse), "tasks": tasks_file(tmp_path), "limits": limits}, "bad")
     good = await started({"agent": f"{FIXTURES}:returns_reward", "tasks": tasks_file(tmp_path)}, "good")
     outcomes = await asyncio.gather(play(gateway, bad, "g0/e0"), play(gateway, good, "g1/e0"),
@@ -298,3 +299,35 @@ async def test_a_verifiers_cache_inside_a_guarded_path_is_refused_and_no_box_is_
         isolation.agent_prefix({}, [str(guarded / "keys")], "/tmp/home", 1 << 20)
     with pytest.raises(isolation.ShownPathRefused, match="run.run_dir"):
         isolation.agent_prefix({}, [], str(guarded / "run" / "box"), 1 << 20, rw_paths=(str(guarded / "run" / "box"),))
+
+
+async def test_agents_output_is_bounded_and_never_the_daemons(gateway, tmp_path, capfd):
+    """A function agent's worker floods its stdout and stderr with a forged
+    log line, then dies: none of it reaches the daemon's stdout or stderr
+    (the journal), the worker-lost log line carries its last bytes, and the
+    episode fails alone. A command agent printing 64 MiB on stderr costs the
+    daemon its tail only (traced allocations), which its error shows."""
+    import tracemalloc
+
+    import structlog
+
+    cube = await started({"agent": f"{FIXTURES}:flood_output", "tasks": tasks_file(tmp_path)})
+    capfd.readouterr()
+    with structlog.testing.capture_logs() as logs:
+        with pytest.raises(Exception, match="agent worker ended"):
+            await play(gateway, cube)
+    out, err = capfd.readouterr()
+    assert "forged.daemon_line" not in out + err and "FLOOD-END" not in out + err
+    (lost,) = [e for e in logs if e["event"] == "agent.worker_lost"]
+    assert lost["output_tail"].endswith("FLOOD-END") and lost["output_bytes"] > 32 << 20
+    await cube.close()
+
+    cube = await started({"command": [sys.executable, str(FIXTURES), "stderr_flood"], "tasks": tasks_file(tmp_path)})
+    tracemalloc.start()
+    try:
+        with pytest.raises(CubeError, match=r"(?s)exited with 3: .*STDERR-END"):
+            await play(gateway, cube)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 << 20, peak  # read whole, it was 64 MiB and more

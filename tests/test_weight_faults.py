@@ -318,6 +318,52 @@ async def _eventually(cond, timeout_s: float, what: str) -> None:
         await asyncio.sleep(0.05)
 
 
+def _pusher(monkeypatch):
+    """A real trainer link and WeightPusher (gloo, TIMEOUT_S per collective,
+    bench_after 2, max_failures 2), fast probes; and the link's settings."""
+    from rlnode.config import LinkConfig
+    from rlnode.link.trainer_link import TrainerLink
+    from rlnode.trainer import weight_push as push
+    from rlnode.trainer.weight_push import WeightPusher
+    from rlnode.weights.broadcast import WeightGuard
+
+    from daemons import free_port
+
+    monkeypatch.setattr(push, "PROBE_MIN_S", 0.2)
+    monkeypatch.setattr(push, "PROBE_MAX_S", 1.6)
+    monkeypatch.setattr(push, "PROBE_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(push, "PROBE_REPLY_SLACK_S", 0.5)
+    monkeypatch.setattr(push, "SILENT_WAIT_S", 3.0)  # a live member reports a failed vote within a second
+    link_cfg = LinkConfig(heartbeat_s=0.3, peer_timeout_s=10)
+    link = TrainerLink(f"tcp://127.0.0.1:{free_port()}", link_cfg)
+    bc = WeightBroadcaster(WeightSyncConfig(backend="gloo", bucket_mb=1, base_port=29500 + os.getpid() % 20000),
+                           master_host="127.0.0.1", timeout_s=TIMEOUT_S)
+    pusher = WeightPusher(link, bc, _model(), WeightGuard(0), request_timeout_s=TIMEOUT_S + 30, max_failures=2,
+                          bench_after=2)
+    return link, bc, pusher, link_cfg
+
+
+async def _started(link, link_cfg, names, actors: list) -> dict[str, str]:
+    """Start the link, then a GlooActor per name on its endpoint (appended
+    to ``actors`` as each starts, for the caller's cleanup); peer ids by name."""
+    await link.start()
+    for name in names:
+        actors.append(GlooActor(link.endpoint, name, link_cfg))
+        await actors[-1].start()
+    await _eventually(lambda: sum(p.connected for p in link.peers().values()) == len(names), 30, "the actors")
+    return {p.node_id: p.peer_id for p in link.peers().values()}
+
+
+async def _closed(link, bc, actors, background=None) -> None:
+    if background is not None:
+        background.cancel()
+        await asyncio.gather(background, return_exceptions=True)
+    for a in actors:
+        await a.close()
+    await asyncio.to_thread(bc.close_group)
+    await link.close()
+
+
 async def test_a_member_that_keeps_failing_is_benched_and_rejoins_when_it_answers(monkeypatch):
     """Two actors; one freezes (its daemon heartbeats, nothing answers).
     After trainer.weights.bench_after failures named on it (silent in the
@@ -328,36 +374,14 @@ async def test_a_member_that_keeps_failing_is_benched_and_rejoins_when_it_answer
     probe is answered and it rejoins and catches up. Before: every push
     failed ("rank(s) [..] did not join"), the healthy actor got no weights
     either, and health turned red after max_failures."""
-    from rlnode.config import LinkConfig
-    from rlnode.link.trainer_link import TrainerLink
-    from rlnode.trainer import weight_push as push
-    from rlnode.trainer.weight_push import WeightPusher
-    from rlnode.weights.broadcast import WeightGuard
-
-    from daemons import free_port
-
-    monkeypatch.setattr(push, "PROBE_MIN_S", 0.2)
-    monkeypatch.setattr(push, "PROBE_MAX_S", 1.0)
-    monkeypatch.setattr(push, "PROBE_TIMEOUT_S", 1.0)
-    monkeypatch.setattr(push, "PROBE_REPLY_SLACK_S", 0.5)
-    link_cfg = LinkConfig(heartbeat_s=0.3, peer_timeout_s=10)
-    link = TrainerLink(f"tcp://127.0.0.1:{free_port()}", link_cfg)
-    model = _model()
-    bc = WeightBroadcaster(WeightSyncConfig(backend="gloo", bucket_mb=1, base_port=29500 + os.getpid() % 20000),
-                           master_host="127.0.0.1", timeout_s=TIMEOUT_S)
-    pusher = WeightPusher(link, bc, model, WeightGuard(0), request_timeout_s=TIMEOUT_S + 5, max_failures=2,
-                          bench_after=2)
+    link, bc, pusher, link_cfg = _pusher(monkeypatch)
+    model = pusher.model
     actors: list[GlooActor] = []
     background = None
     with keep_stdout():  # ranks of one group initialise gloo in threads of this process
         try:
-            await link.start()
-            good, frozen = (GlooActor(link.endpoint, name, link_cfg) for name in ("good", "frozen"))
-            for a in (good, frozen):
-                actors.append(a)
-                await a.start()
-            await _eventually(lambda: sum(p.connected for p in link.peers().values()) == 2, 30, "both actors")
-            pid = {p.node_id: p.peer_id for p in link.peers().values()}
+            pid = await _started(link, link_cfg, ("good", "frozen"), actors)
+            good, frozen = actors
             assert await pusher.push()
             assert good.version == frozen.version == 0
 
@@ -402,58 +426,7 @@ async def test_a_member_that_keeps_failing_is_benched_and_rejoins_when_it_answer
             assert frozen.probes >= 1 and pusher.health() == ""
             assert all(torch.equal(frozen.received[n], t) for n, t in update_tensors(model))
         finally:
-            if background is not None:
-                background.cancel()
-                await asyncio.gather(background, return_exceptions=True)
-            for a in actors:
-                await a.close()
-            await asyncio.to_thread(bc.close_group)
-            await link.close()
-
-
-def _pusher(monkeypatch):
-    """A real trainer link and WeightPusher (gloo, TIMEOUT_S per collective,
-    bench_after 2, max_failures 2), fast probes; and the link's settings."""
-    from rlnode.config import LinkConfig
-    from rlnode.link.trainer_link import TrainerLink
-    from rlnode.trainer import weight_push as push
-    from rlnode.trainer.weight_push import WeightPusher
-    from rlnode.weights.broadcast import WeightGuard
-
-    from daemons import free_port
-
-    monkeypatch.setattr(push, "PROBE_MIN_S", 0.2)
-    monkeypatch.setattr(push, "PROBE_MAX_S", 1.6)
-    monkeypatch.setattr(push, "PROBE_TIMEOUT_S", 1.0)
-    monkeypatch.setattr(push, "PROBE_REPLY_SLACK_S", 0.5)
-    link_cfg = LinkConfig(heartbeat_s=0.3, peer_timeout_s=10)
-    link = TrainerLink(f"tcp://127.0.0.1:{free_port()}", link_cfg)
-    bc = WeightBroadcaster(WeightSyncConfig(backend="gloo", bucket_mb=1, base_port=29500 + os.getpid() % 20000),
-                           master_host="127.0.0.1", timeout_s=TIMEOUT_S)
-    pusher = WeightPusher(link, bc, _model(), WeightGuard(0), request_timeout_s=TIMEOUT_S + 30, max_failures=2,
-                          bench_after=2)
-    return link, bc, pusher, link_cfg
-
-
-async def _started(link, link_cfg, names, actors: list) -> dict[str, str]:
-    """Start the link, then a GlooActor per name on its endpoint (appended
-    to ``actors`` as each starts, for the caller's cleanup); peer ids by name."""
-    await link.start()
-    for name in names:
-        actors.append(GlooActor(link.endpoint, name, link_cfg))
-        await actors[-1].start()
-    await _eventually(lambda: sum(p.connected for p in link.peers().values()) == len(names), 30, "the actors")
-    return {p.node_id: p.peer_id for p in link.peers().values()}
-
-
-async def _closed(link, bc, actors, background=None) -> None:
-    if background is not None:
-        background.cancel()
-        await asyncio.gather(background, return_exceptions=True)
-    for a in actors:
-        await a.close()
-    await asyncio.to_thread(bc.close_group)
-    await link.close()
+            await _closed(link, bc, actors, background)
 
 
 async def test_a_member_that_joins_and_never_votes_is_named_and_benched(monkeypatch):

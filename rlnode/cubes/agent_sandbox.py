@@ -82,6 +82,15 @@ class AgentLimits(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, froz
     connections: Annotated[int, Meta(ge=1)] = 256
     # Writable /tmp (and HOME), MiB.
     tmp_mib: Annotated[int, Meta(ge=1)] = 256
+    # Largest file a process may write, MiB (RLIMIT_FSIZE; EFBIG past it).
+    # Bounds each file in a folder on the node's disk (a verifiers runtime's
+    # working directory), not their number.
+    file_mib: Annotated[int, Meta(ge=1)] = 1024
+
+    def rlimits(self) -> str:
+        """The bootstrap's limits argument (``set_limits``)."""
+        return (f"{self.processes},{self.memory_mib * 2**20},{self.open_files},{self.cpu_s},"
+                f"{self.file_mib * 2**20}")
 
 
 # The loopback relay inside a sandbox, shared by its first process (BOOTSTRAP
@@ -157,12 +166,12 @@ threading.Thread(target=relay, daemon=True).start()
 SET_LIMITS = r"""
 import resource
 def set_limits(limits):
-    for name, n in zip(("NPROC", "AS", "NOFILE", "CPU"), map(int, limits.split(","))):
+    for name, n in zip(("NPROC", "AS", "NOFILE", "CPU", "FSIZE"), map(int, limits.split(","))):
         resource.setrlimit(getattr(resource, "RLIMIT_" + name), (n, n + 1 if name == "CPU" else n))
 """
 
 # Runs as the sandbox's first process:
-#   python -I -S -c BOOTSTRAP SOCKET,... PORT NPROC,AS,NOFILE,CPU FD,... ARGV...
+#   python -I -S -c BOOTSTRAP SOCKET,... PORT NPROC,AS,NOFILE,CPU,FSIZE FD,... ARGV...
 # (relay socket i is reached on PORT + i)
 BOOTSTRAP = SET_LIMITS + RELAY + r"""
 import subprocess, sys
@@ -178,6 +187,23 @@ except OSError as e:
 code = child.wait()
 sys.exit(128 - code if code < 0 else code)
 """
+
+
+class OutputTail:
+    """A child's output, read as it comes and dropped but for the last
+    ``limit`` bytes: a flood costs the daemon no memory."""
+
+    def __init__(self, limit: int = 4096):
+        self.limit, self.tail, self.total = limit, bytearray(), 0
+
+    async def drain(self, stream: asyncio.StreamReader) -> None:
+        while chunk := await stream.read(1 << 16):
+            self.total += len(chunk)
+            self.tail += chunk[-self.limit:]
+            del self.tail[:-self.limit]
+
+    def text(self) -> str:
+        return self.tail.decode(errors="replace").strip()
 
 
 class GatewayRelay:
@@ -331,7 +357,7 @@ def sandboxed_argv(command: list[str], env: dict[str, str], relay: GatewayRelay 
     prefix = isolation.agent_prefix(env, [os.path.abspath(p) for p in shown if p],
                                     os.path.abspath(cwd) if cwd else "/tmp/home", limits.tmp_mib * 2**20)
     exe = isolation.interpreter(sys.executable)
-    rlimits = f"{limits.processes},{limits.memory_mib * 2**20},{limits.open_files},{limits.cpu_s}"
+    rlimits = limits.rlimits()
     return [*prefix, exe, "-I", "-S", "-c", BOOTSTRAP, ",".join(r.socket for r in relays), str(INSIDE_PORT), rlimits,
             ",".join(map(str, pass_fds)), *argv]
 

@@ -250,6 +250,11 @@ class _Worker:
 
     def __init__(self, proc: asyncio.subprocess.Process, relays: list[GatewayRelay]):
         self.proc, self.relays = proc, relays
+        # Its stdout and stderr, one pipe: the last OUTPUT_TAIL bytes, for
+        # the log line when it is lost (never the daemon's own stdout, which
+        # is the journal: a worker could flood it or forge its lines).
+        self.output = agent_sandbox.OutputTail()
+        self.draining = asyncio.ensure_future(self.output.drain(proc.stdout)) if proc.stdout else None
         self.conn: _Frames | None = None
         self.pending: dict[int, asyncio.Future] = {}
         self.ready: asyncio.Future | None = None
@@ -308,6 +313,7 @@ class AgentWorkers:
                 env = agent_sandbox.inside_env(self.env)
             proc = await asyncio.create_subprocess_exec(
                 *argv, env=env, cwd="/" if relays else (self.cwd or None), stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
                 pass_fds=(theirs.fileno(),), start_new_session=True)  # its group: a kill takes what it started
         except BaseException:
             ours.close()
@@ -369,7 +375,8 @@ class AgentWorkers:
             self.workers.remove(w)
             if why:
                 self.restarts += 1
-                log.warning("agent.worker_lost", agent=self.ref, why=why, episodes=len(w.pending))
+                log.warning("agent.worker_lost", agent=self.ref, why=why, episodes=len(w.pending),
+                            output_bytes=w.output.total, output_tail=w.output.text()[-2000:])
             self._track(self._end(w, kill=bool(why) or not w.retiring))
         for fut in w.pending.values():
             if not fut.done():
@@ -390,6 +397,9 @@ class AgentWorkers:
             w.kill()  # anything it started, and a worker that did not stop
             await w.proc.wait()
         finally:
+            if w.draining is not None:
+                w.draining.cancel()
+                await asyncio.gather(w.draining, return_exceptions=True)
             if w.conn is not None:
                 w.conn.close()
             for relay in w.relays:

@@ -291,8 +291,11 @@ async def _run(argv: list[str], env: dict[str, str], cwd: str | None, task: dict
         stderr=asyncio.subprocess.PIPE, env=env, cwd=cwd,
         start_new_session=True,  # its own process group: killed whole, children included
     )
+    # stderr is read as it comes and only its tail kept: an agent that
+    # prints a gigabyte costs the daemon STDERR_TAIL bytes.
+    err = agent_sandbox.OutputTail(STDERR_TAIL)
     try:
-        _, err = await proc.communicate(json.dumps(task).encode())
+        await asyncio.gather(_feed(proc.stdin, json.dumps(task).encode()), err.drain(proc.stderr), proc.wait())
     finally:
         if proc.returncode is None:  # timeout or cancellation
             _kill_group(proc.pid)
@@ -300,9 +303,20 @@ async def _run(argv: list[str], env: dict[str, str], cwd: str | None, task: dict
         else:
             _kill_group(proc.pid)  # children it left behind
     if proc.returncode != 0:
-        tail = err[-STDERR_TAIL:].decode(errors="replace").strip()
-        raise CubeError(f"agent command exited with {proc.returncode}: {tail}")
+        raise CubeError(f"agent command exited with {proc.returncode}: {err.text()}")
     return None
+
+
+async def _feed(stdin: asyncio.StreamWriter, data: bytes) -> None:
+    """The task on the agent's stdin; an agent that does not read it all
+    (or exits first) is no error here: its exit status says."""
+    try:
+        stdin.write(data)
+        await stdin.drain()
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+    finally:
+        stdin.close()
 
 
 def _kill_group(pgid: int) -> None:

@@ -51,7 +51,7 @@ from typing import Any, AsyncIterator
 from urllib.parse import urlsplit, urlunsplit
 
 from rlnode.cubes import agent_sandbox, isolation
-from rlnode.cubes.agent_sandbox import AgentLimits, GatewayRelay
+from rlnode.cubes.agent_sandbox import AgentLimits, GatewayRelay, OutputTail
 from rlnode.cubes.vf_scripts import ScriptCache, ScriptError, cache_root
 from rlnode.log import get_logger
 
@@ -62,7 +62,7 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 # bound of the caller's: the most it returns.
 MAX_BOX_READ = 64 << 20
 
-# The box's first process: python -I -S -c BOX_INIT CTL_FD RELAY_DIR NPROC,AS,NOFILE,CPU
+# The box's first process: python -I -S -c BOX_INIT CTL_FD RELAY_DIR NPROC,AS,NOFILE,CPU,FSIZE
 BOX_INIT = agent_sandbox.SET_LIMITS + agent_sandbox.RELAY + r"""
 import json, os, subprocess, sys, time
 ctl = socket.socket(fileno=int(sys.argv[1]))
@@ -209,6 +209,8 @@ class Box:
         self._waiters: dict[Any, asyncio.Future] = {}  # ("started", id) / ("exit", id) / ("listening", port)
         self._lock = asyncio.Lock()
         self._ended = False  # the box is gone: every wait, now or later, fails
+        self.output = OutputTail()
+        self._draining: asyncio.Future | None = None
 
     async def start(self) -> None:
         self.relay_dir = tempfile.mkdtemp(prefix="rlnode-vfbox-")
@@ -224,12 +226,15 @@ class Box:
         try:
             prefix = isolation.agent_prefix(self.env, [self.relay_dir, *self.ro_paths], self.workdir,
                                             self.limits.tmp_mib * 2**20, rw_paths=(self.workdir,), uid=box_uid)
-            lim = self.limits
             argv = [*prefix, isolation.interpreter(sys.executable), "-I", "-S", "-c", BOX_INIT, str(theirs.fileno()),
-                    self.relay_dir, f"{lim.processes},{lim.memory_mib * 2**20},{lim.open_files},{lim.cpu_s}"]
+                    self.relay_dir, self.limits.rlimits()]
+            # Its own output (and whatever in the box writes to it, through
+            # /proc/1/fd) into a bounded tail, never the daemon's journal.
             self.proc = await asyncio.create_subprocess_exec(
                 *argv, env=agent_sandbox.inside_env(self.env), cwd="/", stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
                 pass_fds=(theirs.fileno(),), start_new_session=True)
+            self._draining = asyncio.ensure_future(self.output.drain(self.proc.stdout))
         except BaseException:
             ours.close()
             shutil.rmtree(self.relay_dir, ignore_errors=True)
@@ -319,6 +324,9 @@ class Box:
         self.kill_now()
         if self.proc is not None:
             await self.proc.wait()
+        if self._draining is not None:
+            self._draining.cancel()
+            await asyncio.gather(self._draining, return_exceptions=True)
         if self.ctl is not None:
             try:
                 asyncio.get_running_loop().remove_reader(self.ctl.fileno())
