@@ -128,6 +128,11 @@ class Node:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def freeze(self, frozen: bool = True) -> None:
+        """SIGSTOP (or SIGCONT) its whole session: it sends nothing more."""
+        if self.proc is not None:
+            os.killpg(self.proc.pid, signal.SIGSTOP if frozen else signal.SIGCONT)
+
     def kill(self) -> None:
         """kill -9, no goodbye. The whole session goes, multiprocessing's
         resource tracker with it, so nothing would unlink the shared memory

@@ -384,14 +384,23 @@ def test_actor_new_address(run):
     healthy_again(run)
     old = a2.must_status()["roles"]["actor"]["incarnation"]
 
-    def a2_holds_credit(st):
+    def a2_held(st) -> int:
         peers = st["roles"]["trainer"].get("credits", {}).get("peers", {})
-        return any(p.startswith("a2/") and old in p and v["in_hands"] > 0 for p, v in peers.items())
+        return sum(v["in_hands"] for p, v in peers.items() if p.startswith("a2/") and old in p)
 
     # Killed while it holds credits (a group running): on a loaded machine
     # the trainer can hold the whole budget in groups waiting for a step,
-    # and an actor killed then holds nothing to give back.
-    t.wait(a2_holds_credit, 180, "a2 to hold a credit")
+    # and an actor killed then holds nothing to give back. Frozen first, so
+    # what it holds cannot change between the look and the kill (CI at
+    # 9d5ec0e: it delivered its group in between, and held nothing).
+    for _ in range(20):
+        t.wait(lambda st: a2_held(st) > 0, 180, "a2 to hold a credit")
+        a2.freeze()
+        time.sleep(1.0)  # what it sent before the freeze reaches the trainer
+        if (held := a2_held(t.must_status())) > 0:
+            break
+        a2.freeze(False)
+    assert held > 0, "a2 never held a credit when frozen"
     a2.kill()  # kill -9: whatever it held dies with it
     c.readdress(a2, 20)
     t_start = time.monotonic()
@@ -408,7 +417,7 @@ def test_actor_new_address(run):
     # The old incarnation's account is gone (its credits back in the pool).
     assert not [p for p in credits["peers"] if p.startswith("a2/") and old in p], credits["peers"]
     assert credits["outstanding"] <= credits["budget"]
-    assert credits["reclaimed"] > 0  # it died holding credits (groups running): back in the pool
+    assert credits["reclaimed"] >= held > 0  # it died holding credits (groups running): back in the pool
     report("actor_new_address", rejoin_s=round(rejoined, 1), credits_reclaimed=credits["reclaimed"],
            groups_lost=lost_groups(run),
            groups_duplicated=len(duplicated_groups(run.run_dir)))
