@@ -189,23 +189,6 @@ sys.exit(128 - code if code < 0 else code)
 """
 
 
-class OutputTail:
-    """A child's output, read as it comes and dropped but for the last
-    ``limit`` bytes: a flood costs the daemon no memory."""
-
-    def __init__(self, limit: int = 4096):
-        self.limit, self.tail, self.total = limit, bytearray(), 0
-
-    async def drain(self, stream: asyncio.StreamReader) -> None:
-        while chunk := await stream.read(1 << 16):
-            self.total += len(chunk)
-            self.tail += chunk[-self.limit:]
-            del self.tail[:-self.limit]
-
-    def text(self) -> str:
-        return self.tail.decode(errors="replace").strip()
-
-
 class GatewayRelay:
     """A unix socket whose connections are piped to the gateway's agent
     socket (or to ``tcp://HOST:PORT``), for one sandbox: ``async with

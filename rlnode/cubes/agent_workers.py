@@ -59,7 +59,7 @@ import msgspec
 
 import rlnode
 from rlnode.config import ConfigError
-from rlnode.cubes import agent_sandbox
+from rlnode.cubes import agent_sandbox, isolation
 from rlnode.cubes.agent_sandbox import AgentLimits, GatewayRelay
 from rlnode.cubes.base import AgentEndpoint, AgentError, CubeError
 from rlnode.frames import FrameProtocol
@@ -253,7 +253,7 @@ class _Worker:
         # Its stdout and stderr, one pipe: the last OUTPUT_TAIL bytes, for
         # the log line when it is lost (never the daemon's own stdout, which
         # is the journal: a worker could flood it or forge its lines).
-        self.output = agent_sandbox.OutputTail()
+        self.output = isolation.OutputTail()
         self.draining = asyncio.ensure_future(self.output.drain(proc.stdout)) if proc.stdout else None
         self.conn: _Frames | None = None
         self.pending: dict[int, asyncio.Future] = {}

@@ -308,13 +308,21 @@ def unshare_prefix() -> list[str]:
     return [unshare, "--net", "--pid", "--ipc", "--uts", "--fork", "--kill-child", "--mount-proc", "--"]
 
 
-async def _read_bounded(stream: asyncio.StreamReader, limit: int) -> bytes:
-    """The stream's first ``limit`` bytes; the rest is read and dropped, so
-    the writer never blocks on a full pipe."""
-    kept = b""
-    while chunk := await stream.read(1 << 16):
-        kept += chunk[:max(0, limit - len(kept))]
-    return kept
+class OutputTail:
+    """A child's output, read as it comes and dropped but for the last
+    ``limit`` bytes: a flood costs the daemon no memory."""
+
+    def __init__(self, limit: int = 4096):
+        self.limit, self.tail, self.total = limit, bytearray(), 0
+
+    async def drain(self, stream: asyncio.StreamReader) -> None:
+        while chunk := await stream.read(1 << 16):
+            self.total += len(chunk)
+            self.tail += chunk[-self.limit:]
+            del self.tail[:-self.limit]
+
+    def text(self) -> str:
+        return self.tail.decode(errors="replace").strip()
 
 
 async def _exits_zero(argv: list[str], timeout_s: float) -> tuple[bool | None, str]:
@@ -329,8 +337,9 @@ async def _exits_zero(argv: list[str], timeout_s: float) -> tuple[bool | None, s
         return False, str(e)
     try:
         async with asyncio.timeout(timeout_s):
-            # A probe's stderr is a line or a traceback: the tail is enough.
-            err = (await _read_bounded(proc.stderr, PROBE_STDERR_BYTES)).decode(errors="replace")
+            # A probe's stderr is a line or a traceback: its tail says why.
+            err_tail = OutputTail(PROBE_STDERR_BYTES)
+            await err_tail.drain(proc.stderr)
             ok = await proc.wait() == 0
     except TimeoutError:
         try:
@@ -339,7 +348,7 @@ async def _exits_zero(argv: list[str], timeout_s: float) -> tuple[bool | None, s
             pass
         await proc.wait()
         return None, ""
-    lines = [line.strip() for line in err.splitlines() if line.strip()]
+    lines = [line.strip() for line in err_tail.text().splitlines() if line.strip()]
     return ok, "" if ok else (lines[-1] if lines else f"exit status {proc.returncode}")
 
 

@@ -48,7 +48,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from rlnode.cubes import agent_sandbox
+from rlnode.cubes import agent_sandbox, isolation
 from rlnode.cubes.agent_sandbox import AgentLimits
 from rlnode.cubes.agent_workers import AgentWorkers, absolute_ref, ref_files
 from rlnode.cubes.base import (Action, AgentEndpoint, AgentTask, Cube, CubeError, CubeTask, CubeTaskRef,
@@ -293,7 +293,7 @@ async def _run(argv: list[str], env: dict[str, str], cwd: str | None, task: dict
     )
     # stderr is read as it comes and only its tail kept: an agent that
     # prints a gigabyte costs the daemon STDERR_TAIL bytes.
-    err = agent_sandbox.OutputTail(STDERR_TAIL)
+    err = isolation.OutputTail(STDERR_TAIL)
     try:
         await asyncio.gather(_feed(proc.stdin, json.dumps(task).encode()), err.drain(proc.stderr), proc.wait())
     finally:

@@ -51,7 +51,7 @@ from typing import Any, AsyncIterator
 from urllib.parse import urlsplit, urlunsplit
 
 from rlnode.cubes import agent_sandbox, isolation
-from rlnode.cubes.agent_sandbox import AgentLimits, GatewayRelay, OutputTail
+from rlnode.cubes.agent_sandbox import AgentLimits, GatewayRelay
 from rlnode.cubes.vf_scripts import ScriptCache, ScriptError, cache_root
 from rlnode.log import get_logger
 
@@ -209,7 +209,7 @@ class Box:
         self._waiters: dict[Any, asyncio.Future] = {}  # ("started", id) / ("exit", id) / ("listening", port)
         self._lock = asyncio.Lock()
         self._ended = False  # the box is gone: every wait, now or later, fails
-        self.output = OutputTail()
+        self.output = isolation.OutputTail()
         self._draining: asyncio.Future | None = None
 
     async def start(self) -> None:
@@ -510,18 +510,17 @@ def make_walled_runtime(limits: AgentLimits, env: dict[str, str], scripts: Scrip
                 os.close(fd)
 
         async def _read(self, path: str, max_bytes: int | None = None) -> bytes:
-            if _relative_parts(str(self.workdir), path) is None:
-                # Not in the working directory: what the box sees there,
-                # read in the box (verifiers' generic, bounded path).
-                return await super(SubprocessRuntime, self)._read(path, max_bytes if max_bytes is not None
-                                                                  else MAX_BOX_READ)
-            try:
-                data = await asyncio.to_thread(_read_beneath, str(self.workdir), path, max_bytes)
-            except OSError as e:
-                raise SandboxError(f"read {path!r}: {e}") from e
-            if data is None:  # a FIFO or device: in the box, bounded
-                return await super(SubprocessRuntime, self)._read(path, max_bytes if max_bytes is not None
-                                                                  else MAX_BOX_READ)
+            # Outside the working directory (what the box sees there), or a
+            # FIFO or device in it: read in the box, verifiers' bounded path.
+            data = None
+            if _relative_parts(str(self.workdir), path) is not None:
+                try:
+                    data = await asyncio.to_thread(_read_beneath, str(self.workdir), path, max_bytes)
+                except OSError as e:
+                    raise SandboxError(f"read {path!r}: {e}") from e
+            if data is None:
+                return await super(SubprocessRuntime, self)._read(path, MAX_BOX_READ if max_bytes is None
+                                                                  else max_bytes)
             return data
 
         async def write(self, path: str, data: bytes) -> None:
