@@ -192,6 +192,29 @@ def hog_memory() -> str:
     return f"allowed: held {len(block) >> 20} MiB"
 
 
+def memory_herd(processes: int = 8, mib: int = 384) -> str:
+    """``processes`` children holding ``mib`` MiB each at once, every page
+    touched: each within its own address-space limit, 3 GiB together."""
+    pids = []
+    for _ in range(processes):
+        pid = os.fork()
+        if pid == 0:
+            try:
+                block = bytearray(mib << 20)
+                block[:: 4096] = b"x" * len(range(0, len(block), 4096))
+                time.sleep(3)  # held while the others take theirs
+                os._exit(0)
+            except MemoryError:
+                os._exit(3)
+        pids.append(pid)
+    statuses = [os.waitpid(pid, 0)[1] for pid in pids]
+    killed = sum(os.WIFSIGNALED(s) for s in statuses)
+    short = sum(os.WIFEXITED(s) and os.WEXITSTATUS(s) != 0 for s in statuses)
+    if killed or short:
+        return f"refused: {killed} of {processes} killed, {short} out of memory"
+    return f"allowed: held {processes * mib} MiB in {processes} processes"
+
+
 def write_big_file() -> str:
     """A 64 MiB file in its working folder (the private /tmp here)."""
     path = os.path.join(os.environ.get("TMPDIR", "/tmp"), "big.bin")
@@ -262,6 +285,11 @@ async def flood(task, base_url, api_key):
     return _limit_outcome(open_connections, base_url)
 
 
+async def herd(task, base_url, api_key):
+    await one_call(base_url, api_key)
+    return _limit_outcome(memory_herd)
+
+
 async def bigfile(task, base_url, api_key):
     await one_call(base_url, api_key)
     return _limit_outcome(write_big_file)
@@ -314,9 +342,9 @@ def command_main(mode: str) -> int:
     if mode == "steal":
         print("REPORT " + json.dumps(steal_the_link()), file=sys.stderr)
         return 3
-    if mode in ("bomb", "hog", "flood", "bigfile"):
+    if mode in ("bomb", "hog", "flood", "bigfile", "herd"):
         what = {"bomb": fork_until_refused, "hog": hog_memory, "flood": lambda: open_connections(base_url),
-                "bigfile": write_big_file}[mode]
+                "bigfile": write_big_file, "herd": memory_herd}[mode]
         try:
             _limit_outcome(what)
         except RuntimeError as e:

@@ -17,12 +17,13 @@ import pytest
 
 from rlnode.config import ConfigError, load_config
 from rlnode.cubes.base import CubeError
+from rlnode.cubes.box_cgroup import BoxCgroups
 from rlnode.link.curve import auto_keys
 from rlnode.link.trainer_link import TrainerLink
 from rlnode.link.validate import GroupLimits
 from rlnode.wire import EngineInfo, Register
 
-from test_agent_cube import FIXTURES, close_cubes, gateway, play, router, sandbox_uid_processes, started, tasks_file  # noqa: F401
+from test_agent_cube import FIXTURES, OPEN_CUBES, close_cubes, gateway, play, router, sandbox_uid_processes, started, tasks_file  # noqa: F401
 from test_link import ANY_PORT, FAST
 
 pytestmark = pytest.mark.engine
@@ -119,6 +120,30 @@ async def test_an_agent_past_its_limits_fails_its_episode_alone(kind, abuse, gat
     assert [o[1].reward for o in outcomes[1:]] == [0.25, 0.25]
     # The gateway serves on: one more episode after the abuse.
     assert (await play(gateway, good, "g2/e0"))[1].reward == 0.25
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_a_box_of_many_processes_is_capped_as_a_whole(kind, gateway, tmp_path):
+    """Eight processes of 384 MiB each (each within its 1 GiB address
+    space, 3 GiB together) in a box capped at 512 MiB: the kernel ends them
+    inside that box, the episode's error names the cap's key, another
+    agent's episodes score, and the box's cgroup is gone afterwards."""
+    cgroups = BoxCgroups.here()
+    if not cgroups.parents:
+        pytest.skip(f"no box cgroups on this node: {cgroups.why_not}")
+    before = {p: set(os.listdir(p)) for p in cgroups.parents}
+    limits = {"processes": 64, "memory_mib": 1024, "box_memory_mib": 512}
+    bad = await started({**agent(kind, "herd"), "tasks": tasks_file(tmp_path), "limits": limits}, "bad")
+    good = await started({"agent": f"{FIXTURES}:returns_reward", "tasks": tasks_file(tmp_path)}, "good")
+    outcomes = await asyncio.gather(play(gateway, bad, "g0/e0"), play(gateway, good, "g1/e0"),
+                                    return_exceptions=True)
+    assert isinstance(outcomes[0], CubeError), outcomes[0]
+    assert "limits.box_memory_mib = 512" in str(outcomes[0]), outcomes[0]
+    assert outcomes[1][1].reward == 0.25
+    for cube in (bad, good):
+        OPEN_CUBES.remove(cube)
+        await cube.close()
+    assert {p: set(os.listdir(p)) for p in cgroups.parents} == before
 
 
 async def test_no_secret_is_on_any_argv_while_an_agent_runs(gateway, tmp_path):

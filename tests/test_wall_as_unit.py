@@ -20,6 +20,7 @@ import pytest
 from daemons import ROOT
 from rlnode.config import load_config
 from rlnode.ops.as_unit import UnitError, argv_as_unit, read_unit
+from rlnode.cubes import box_cgroup
 from rlnode.ops.check import check_wall
 
 UNIT = ROOT / "systemd" / "rlnode-actor@.service"
@@ -70,13 +71,18 @@ def test_rlnode_check_probes_the_wall_as_the_unit_runs_it():
     setting); a unit user the machine lacks is a failure naming it."""
     cfg = load_config(str(ROOT / "conf" / "demo.toml"),
                       ['actor.cubes=[{id = "agent", kind = "openai-agent", options = {command = ["true"]}}]'])
-    (found,) = check_wall(cfg, "actor", str(UNIT), "nobody", prelude=_prelude())
+    found, groups = check_wall(cfg, "actor", str(UNIT), "nobody", prelude=_prelude())
     assert found.level == "WARN", found
     assert "uid 65534 in a user namespace" in found.detail and "ProtectKernelTunables" in found.detail
+    # The unit's read-only cgroup tree: no box cgroups, said with the settings that give them.
+    assert groups.level == "WARN" and "no cgroup of their own" in groups.detail, groups
+    assert "Delegate=memory pids" in groups.detail and "ProtectControlGroups=no" in groups.detail
     (missing,) = check_wall(cfg, "actor", str(UNIT))  # User=rlnode: not on this machine
     assert missing.level == "FAIL" and "User=rlnode" in missing.detail and "--unit-user" in missing.detail
-    (here,) = check_wall(cfg, "actor")  # as root: privileged bwrap, a fresh uid per run
+    here, groups = check_wall(cfg, "actor")  # as root: privileged bwrap, a fresh uid per run
     assert here.level == "ok" and "fresh uid" in here.detail, here
+    if box_cgroup.describe()["under"]:  # a root daemon on this host makes box cgroups
+        assert groups.level == "ok" and "capped as a whole" in groups.detail, groups
 
 
 # The escape tests, each run as a function agent's worker and as a command:

@@ -51,6 +51,7 @@ from msgspec import Meta
 
 from rlnode.config import ConfigError
 from rlnode.cubes import isolation
+from rlnode.cubes.box_cgroup import BoxCgroup, BoxCgroups
 from rlnode.log import get_logger
 
 log = get_logger("rlnode.cubes.agent_sandbox")
@@ -86,6 +87,12 @@ class AgentLimits(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, froz
     # Bounds each file in a folder on the node's disk (a verifiers runtime's
     # working directory), not their number.
     file_mib: Annotated[int, Meta(ge=1)] = 1024
+    # Memory of the whole box, MiB (all its processes, its /tmp included):
+    # past it the kernel's OOM killer ends processes of that box only, and
+    # the episode's error names this key. Also caps the box's processes at
+    # ``processes``. Needs a cgroup the daemon may make (box_cgroup.py);
+    # without one, each process keeps the rlimits above, logged at start.
+    box_memory_mib: Annotated[int, Meta(ge=64)] = 8192
 
     def rlimits(self) -> str:
         """The bootstrap's limits argument (``set_limits``)."""
@@ -343,6 +350,19 @@ def sandboxed_argv(command: list[str], env: dict[str, str], relay: GatewayRelay 
     rlimits = limits.rlimits()
     return [*prefix, exe, "-I", "-S", "-c", BOOTSTRAP, ",".join(r.socket for r in relays), str(INSIDE_PORT), rlimits,
             ",".join(map(str, pass_fds)), *argv]
+
+
+async def box_cgroup(limits: AgentLimits) -> BoxCgroup | None:
+    """A cgroup of its own for one box, capped by ``limits``; None where the
+    node gives the daemon none (``box_cgroup.py``: then rlimits only)."""
+    cgroups = BoxCgroups._here or await asyncio.to_thread(BoxCgroups.here)
+    return cgroups.new(limits.box_memory_mib, limits.processes)
+
+
+def with_verdict(message: str, group: BoxCgroup | None) -> str:
+    """An episode's error, and the box's cap it reached if it did."""
+    verdict = group.verdict() if group is not None else ""
+    return f"{message} ({verdict})" if verdict else message
 
 
 async def check(requested: str, cube_id: str) -> None:

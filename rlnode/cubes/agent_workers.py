@@ -62,6 +62,7 @@ from rlnode.config import ConfigError
 from rlnode.cubes import agent_sandbox, isolation
 from rlnode.cubes.agent_sandbox import AgentLimits, GatewayRelay
 from rlnode.cubes.base import AgentEndpoint, AgentError, CubeError
+from rlnode.cubes.box_cgroup import BoxCgroup
 from rlnode.frames import FrameProtocol
 from rlnode.log import get_logger
 
@@ -248,8 +249,8 @@ class _Worker:
     """One worker process: its command under the sandbox, the daemon's end
     of its socket pair, its relays to the gateway's hosts, its episodes."""
 
-    def __init__(self, proc: asyncio.subprocess.Process, relays: list[GatewayRelay]):
-        self.proc, self.relays = proc, relays
+    def __init__(self, proc: asyncio.subprocess.Process, relays: list[GatewayRelay], group: BoxCgroup | None):
+        self.proc, self.relays, self.group = proc, relays, group
         # Its stdout and stderr, one pipe: the last OUTPUT_TAIL bytes, for
         # the log line when it is lost (never the daemon's own stdout, which
         # is the journal: a worker could flood it or forge its lines).
@@ -300,6 +301,7 @@ class AgentWorkers:
         loop = asyncio.get_running_loop()
         ours, theirs = socket.socketpair()
         relays: list[GatewayRelay] = []
+        group: BoxCgroup | None = None
         try:
             cmd = [sys.executable, "-c", WORKER_MAIN, str(theirs.fileno()), self.ref,
                    str(RETIRE_FRACTION * self.limits.cpu_s)]
@@ -310,6 +312,8 @@ class AgentWorkers:
                     relays.append(await GatewayRelay(upstream, self.limits.connections).open())
                 argv = agent_sandbox.sandboxed_argv(cmd, self.env, relays, self.cwd, self.ro_paths, self.limits,
                                                     pass_fds=(theirs.fileno(),))
+                if group := await agent_sandbox.box_cgroup(self.limits):
+                    argv = group.enter(argv)
                 env = agent_sandbox.inside_env(self.env)
             proc = await asyncio.create_subprocess_exec(
                 *argv, env=env, cwd="/" if relays else (self.cwd or None), stdin=asyncio.subprocess.DEVNULL,
@@ -319,10 +323,12 @@ class AgentWorkers:
             ours.close()
             for relay in relays:
                 await relay.__aexit__(None, None, None)
+            if group is not None:
+                await group.close()
             raise
         finally:
             theirs.close()
-        w = _Worker(proc, relays)
+        w = _Worker(proc, relays, group)
         w.ready = loop.create_future()
         self.workers.append(w)
         try:
@@ -362,7 +368,8 @@ class AgentWorkers:
                     if isinstance(msg, Done):
                         fut.set_result(msg.value)
                     else:
-                        fut.set_exception(AgentWorkerError(f"agent failed: {msg.message}"))
+                        fut.set_exception(AgentWorkerError(agent_sandbox.with_verdict(f"agent failed: {msg.message}",
+                                                                                      w.group)))
                 self._stop_if_drained(w)
 
     def _stop_if_drained(self, w: _Worker) -> None:
@@ -374,6 +381,7 @@ class AgentWorkers:
         if w in self.workers:
             self.workers.remove(w)
             if why:
+                why = agent_sandbox.with_verdict(why, w.group)
                 self.restarts += 1
                 log.warning("agent.worker_lost", agent=self.ref, why=why, episodes=len(w.pending),
                             output_bytes=w.output.total, output_tail=w.output.text()[-2000:])
@@ -404,6 +412,8 @@ class AgentWorkers:
                 w.conn.close()
             for relay in w.relays:
                 await relay.__aexit__(None, None, None)
+            if w.group is not None:
+                await w.group.close()
 
     def _track(self, coro, tasks: set[asyncio.Task] | None = None) -> None:
         tasks = self._reaper if tasks is None else tasks

@@ -276,13 +276,18 @@ async def run_command(opts: OpenAIAgentOptions, task: dict[str, Any], endpoint: 
                RLNODE_ENV_URL=agent_sandbox.inside_url(endpoint.env_url))
     async with agent_sandbox.GatewayRelay(endpoint.agent_socket, opts.limits.connections) as relay:
         argv = agent_sandbox.sandboxed_argv(opts.command, env, relay, opts.cwd, opts.ro_paths, opts.limits)
+        group = await agent_sandbox.box_cgroup(opts.limits)
         try:
-            return await _run(argv, agent_sandbox.inside_env(env), "/", task)
+            return await _run(group.enter(argv) if group else argv, agent_sandbox.inside_env(env), "/", task)
         except CubeError as e:
+            message = agent_sandbox.with_verdict(str(e), group)
             if relay.refused:
-                raise CubeError(f"{e} (and it opened more than {opts.limits.connections} gateway connections at "
-                                "once: limits.connections)") from e
-            raise
+                message += (f" (and it opened more than {opts.limits.connections} gateway connections at once: "
+                            "limits.connections)")
+            raise CubeError(message) from e
+        finally:
+            if group is not None:
+                await group.close()
 
 
 async def _run(argv: list[str], env: dict[str, str], cwd: str | None, task: dict[str, Any]) -> None:

@@ -52,6 +52,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from rlnode.cubes import agent_sandbox, isolation
 from rlnode.cubes.agent_sandbox import AgentLimits, GatewayRelay
+from rlnode.cubes.box_cgroup import BoxCgroup
 from rlnode.cubes.vf_scripts import ScriptCache, ScriptError, cache_root
 from rlnode.log import get_logger
 
@@ -211,6 +212,7 @@ class Box:
         self._ended = False  # the box is gone: every wait, now or later, fails
         self.output = isolation.OutputTail()
         self._draining: asyncio.Future | None = None
+        self.group: BoxCgroup | None = None
 
     async def start(self) -> None:
         self.relay_dir = tempfile.mkdtemp(prefix="rlnode-vfbox-")
@@ -228,6 +230,9 @@ class Box:
                                             self.limits.tmp_mib * 2**20, rw_paths=(self.workdir,), uid=box_uid)
             argv = [*prefix, isolation.interpreter(sys.executable), "-I", "-S", "-c", BOX_INIT, str(theirs.fileno()),
                     self.relay_dir, self.limits.rlimits()]
+            self.group = await agent_sandbox.box_cgroup(self.limits)
+            if self.group is not None:
+                argv = self.group.enter(argv)
             # Its own output (and whatever in the box writes to it, through
             # /proc/1/fd) into a bounded tail, never the daemon's journal.
             self.proc = await asyncio.create_subprocess_exec(
@@ -238,6 +243,8 @@ class Box:
         except BaseException:
             ours.close()
             shutil.rmtree(self.relay_dir, ignore_errors=True)
+            if self.group is not None:
+                await self.group.close()
             raise
         finally:
             theirs.close()
@@ -255,9 +262,10 @@ class Box:
         if not data:  # the box is gone: every waiter learns it, and every later one (_future)
             asyncio.get_running_loop().remove_reader(self.ctl.fileno())
             self._ended = True
+            why = agent_sandbox.with_verdict("the runtime's sandbox ended", self.group)
             for fut in self._waiters.values():
                 if not fut.done():
-                    fut.set_exception(BoxError("the runtime's sandbox ended"))
+                    fut.set_exception(BoxError(why))
             return
         msg = json.loads(data)
         for kind in ("started", "failed", "exit", "listening"):
@@ -336,6 +344,8 @@ class Box:
         for relay in self.relays.values():
             await relay.__aexit__(None, None, None)
         shutil.rmtree(self.relay_dir, ignore_errors=True)
+        if self.group is not None:
+            await self.group.close()
 
 
 async def _reader(fd: int) -> asyncio.StreamReader:
@@ -473,6 +483,8 @@ def make_walled_runtime(limits: AgentLimits, env: dict[str, str], scripts: Scrip
             finally:
                 if not box._future(("exit", pid)).done():  # cancelled (a timeout): its group dies
                     box.signal(pid, signal.SIGKILL)
+            if code and box.group is not None and (verdict := box.group.verdict()):
+                stderr += f"\nrlnode: {verdict}\n".encode()
             return ProgramResult(exit_code=code or 0, stdout=stdout.decode(errors="replace"),
                                  stderr=stderr.decode(errors="replace"))
 

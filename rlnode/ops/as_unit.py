@@ -133,14 +133,18 @@ def argv_as_unit(unit: UnitRestrictions, argv: list[str], *, user: str | None = 
 
 async def probe_wall() -> dict:
     """The wall as this process's user sees it: whether bubblewrap boxes
-    start, whether they get a procfs of their own, and why not."""
+    start, whether they get a procfs of their own, and why not; where
+    boxes' cgroups would go, or why there are none."""
     import sys
 
     from rlnode.cubes import isolation
 
+    from rlnode.cubes import box_cgroup
+
     works = await isolation.works("bwrap", sys.executable)
     return {"works": works, "fresh_procfs": isolation.fresh_procfs() if works else None,
-            "why": "" if works else isolation.why_not("bwrap", sys.executable), "uid": os.geteuid()}
+            "why": "" if works else isolation.why_not("bwrap", sys.executable), "uid": os.geteuid(),
+            "box_cgroups": box_cgroup.describe()}
 
 
 if __name__ == "__main__":

@@ -317,11 +317,24 @@ def check_wall(cfg: Config, role: str, unit: str | None = None, unit_user: str |
     kind = "a fresh uid per run (privileged bwrap, then setpriv)" if seen["uid"] == 0 else \
         "uid 65534 in a user namespace (the daemon's own kernel uid: the bind view is the wall)"
     detail = f"boxes start {who}: {kind}"
+    found = []
     if not seen["fresh_procfs"]:
-        return [Finding(WARN, "wall", f"{detail}; their /proc is empty: the kernel refuses a procfs in a user "
-                        "namespace while /proc has read-only overmounts (systemd's ProtectKernelTunables=). "
-                        "Programs that read /proc/self in a box see nothing (docs/security.md)")]
-    return [Finding(OK, "wall", detail)]
+        found.append(Finding(WARN, "wall", f"{detail}; their /proc is empty: the kernel refuses a procfs in a user "
+                             "namespace while /proc has read-only overmounts (systemd's ProtectKernelTunables=). "
+                             "Programs that read /proc/self in a box see nothing (docs/security.md)"))
+    else:
+        found.append(Finding(OK, "wall", detail))
+    groups = seen["box_cgroups"]
+    if groups["under"]:
+        found.append(Finding(OK, "wall", f"each box is capped as a whole (options.limits.box_memory_mib, "
+                             f"processes): cgroup v{groups['version']} under {', '.join(groups['under'])}"))
+    else:
+        found.append(Finding(WARN if walled else OK, "wall", f"boxes have no cgroup of their own {who} "
+                             f"({groups['why']}): "
+                             "each box process keeps its rlimits, a box of many processes is not capped as a whole. "
+                             "Delegate=memory pids and ProtectControlGroups=no on the unit, on cgroup v2, give "
+                             "them one (docs/security.md)"))
+    return found
 
 
 def check_exposure(cfg: Config, role: str) -> list[Finding]:
