@@ -1,7 +1,7 @@
 """Length-prefixed msgpack frames over a stream socket: how rlnode's local
 channels between processes carry msgspec messages (the gateway host's,
 ``rlnode/actor/gateway/protocol.py``; a function agent's worker's,
-``rlnode/cubes/agent_workers.py``).
+``rlnode/cubes/wall/agent_workers.py``).
 
 Frame: ``u32 big-endian length | msgpack body``. Never pickle: the peer may
 be a process that runs the policy's output (an agent's worker), and

@@ -156,7 +156,7 @@ def sandbox_processes(bootstrap: bool = False) -> list[str]:
     and with ``bootstrap`` those running the sandbox's bootstrap, anywhere
     on the host but under another test worker (of_another_test_worker):
     none may outlive the episode or snippet that started it."""
-    from rlnode.cubes import isolation
+    from rlnode.cubes.wall import isolation
 
     found = []
     for proc in Path("/proc").iterdir():

@@ -339,7 +339,7 @@ async def test_function_agents_run_in_worker_processes(gateway, tmp_path):
 async def test_an_agent_that_ignores_its_timeout_is_killed_with_its_worker(gateway, tmp_path):
     """A blocking agent cannot be cancelled: CANCEL_GRACE_S after its timeout
     its worker process is killed (with its process group) and replaced."""
-    from rlnode.cubes import agent_workers
+    from rlnode.cubes.wall import agent_workers
 
     cube = await started({"agent": f"{FIXTURES}:blocking_hang", "tasks": tasks_file(tmp_path), "timeout_s": 6})
     (worker,) = cube.workers.workers

@@ -1,4 +1,4 @@
-"""One wall for every agent kind (rlnode/cubes/agent_sandbox.py): a command
+"""One wall for every agent kind (rlnode/cubes/wall/agent_sandbox.py): a command
 agent's process and a function agent's workers run sandboxed, with an
 allowlisted environment, no run dir, no link keys, rlimits, and the
 gateway's episode routes as their only way out. Each test plays what a tool
@@ -17,7 +17,7 @@ import pytest
 
 from rlnode.config import ConfigError, load_config
 from rlnode.cubes.base import CubeError
-from rlnode.cubes.box_cgroup import BoxCgroups
+from rlnode.cubes.wall.box_cgroup import BoxCgroups
 from rlnode.link.curve import auto_keys
 from rlnode.link.trainer_link import TrainerLink
 from rlnode.link.validate import GroupLimits
@@ -249,7 +249,7 @@ def guarded(tmp_path, monkeypatch):
     from huggingface_hub import constants
 
     from rlnode.actor.daemon import no_box_sees
-    from rlnode.cubes import isolation
+    from rlnode.cubes.wall import isolation
 
     srv = tmp_path / "srv"
     paths = {"run": srv / "run", "curve": srv / "keys" / "curve", "hf": srv / "hf"}
@@ -307,7 +307,7 @@ async def test_a_verifiers_cache_inside_a_guarded_path_is_refused_and_no_box_is_
     guarded path is never built (isolation.agent_prefix)."""
     from rlnode.actor.daemon import no_box_sees
     from rlnode.config.actor import CubeConfig
-    from rlnode.cubes import isolation
+    from rlnode.cubes.wall import isolation
     from rlnode.cubes.registry import open_cubes
 
     try:

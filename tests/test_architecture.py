@@ -98,7 +98,7 @@ def test_roles_know_the_cube_contract_not_a_cube():
     """The actor and the trainer see cubes through their contract
     (``cubes.base``) and the registry only: a role that imported one cube's
     implementation (``agent_episode`` once took ``AgentWorkerError`` from
-    ``cubes.agent_workers``) would tie every run to that cube."""
+    ``cubes.wall.agent_workers``) would tie every run to that cube."""
     graph = grimp.build_graph("rlnode", include_external_packages=False)
     allowed = {"rlnode.cubes", "rlnode.cubes.base", "rlnode.cubes.registry"}
     seen = []

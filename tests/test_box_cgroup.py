@@ -1,4 +1,4 @@
-"""A box's cgroup (rlnode/cubes/box_cgroup.py): joined before the box's
+"""A box's cgroup (rlnode/cubes/wall/box_cgroup.py): joined before the box's
 first instruction, its caps hold for all its processes together, the cap
 reached is named, and no folder or process outlives the box or a daemon
 killed -9."""
@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from rlnode.cubes import box_cgroup
-from rlnode.cubes.box_cgroup import BoxCgroups
+from rlnode.cubes.wall import box_cgroup
+from rlnode.cubes.wall.box_cgroup import BoxCgroups
 
 HERE = BoxCgroups.here()
 pytestmark = pytest.mark.skipif(not HERE.parents, reason=f"no box cgroups on this node: {HERE.why_not}")

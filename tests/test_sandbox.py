@@ -18,8 +18,8 @@ import msgspec
 import pytest
 
 from conftest import sandbox_processes, skip_or_fail
-from rlnode.cubes import isolation
-from rlnode.cubes.sandbox import SandboxError, SandboxLimits, run_python
+from rlnode.cubes.wall import isolation
+from rlnode.cubes.wall.sandbox import SandboxError, SandboxLimits, run_python
 
 FAST = SandboxLimits(wall_timeout_s=3.0, cpu_seconds=1)
 

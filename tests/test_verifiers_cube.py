@@ -481,8 +481,8 @@ async def test_the_runtimes_host_side_files_never_follow_a_link_out_of_its_box(v
     from verifiers.v1.errors import SandboxError
     from verifiers.v1.runtimes.subprocess import SubprocessConfig
 
-    from rlnode.cubes.agent_sandbox import AgentLimits
-    from rlnode.cubes.vf_runtime import make_walled_runtime
+    from rlnode.cubes.wall.agent_sandbox import AgentLimits
+    from rlnode.cubes.wall.vf_runtime import make_walled_runtime
     from rlnode.cubes.vf_scripts import ScriptCache
 
     secret = tmp_path / "link-keys" / "n1.key_secret"

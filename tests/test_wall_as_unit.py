@@ -20,7 +20,7 @@ import pytest
 from daemons import ROOT
 from rlnode.config import load_config
 from rlnode.ops.as_unit import UnitError, argv_as_unit, read_unit
-from rlnode.cubes import box_cgroup
+from rlnode.cubes.wall import box_cgroup
 from rlnode.ops.check import check_wall
 
 UNIT = ROOT / "systemd" / "rlnode-actor@.service"

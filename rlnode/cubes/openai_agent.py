@@ -48,9 +48,9 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from rlnode.cubes import agent_sandbox, isolation
-from rlnode.cubes.agent_sandbox import AgentLimits
-from rlnode.cubes.agent_workers import AgentWorkers, absolute_ref, ref_files
+from rlnode.cubes.wall import agent_sandbox, isolation
+from rlnode.cubes.wall.agent_sandbox import AgentLimits
+from rlnode.cubes.wall.agent_workers import AgentWorkers, absolute_ref, ref_files
 from rlnode.cubes.base import (Action, AgentEndpoint, AgentTask, Cube, CubeError, CubeTask, CubeTaskRef,
                                Evaluation, Reset, Split, StepResult, ToolSpec)
 from rlnode.log import get_logger
@@ -100,7 +100,7 @@ class OpenAIAgentOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=Tru
     # unprivileged uid, a read-only view of the system, the Python
     # installation and its own files, `limits`; its ways out are the
     # gateway's episode routes, through a relay, and a function agent's
-    # worker channel to the daemon: rlnode/cubes/agent_sandbox.py)
+    # worker channel to the daemon: rlnode/cubes/wall/agent_sandbox.py)
     # or "none" (as the daemon's user, with its files, keys and network;
     # logged as an error).
     isolation: Literal["bwrap", "none"] = "bwrap"

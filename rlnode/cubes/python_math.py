@@ -4,7 +4,7 @@ Python tool.
 Owns: the procedural problems (families in ``FAMILIES``, each derived
 deterministically from (seed, split, index)), the ``run_python`` and
 ``submit_answer`` tools, and exact scoring. Must not run agent code anywhere
-but ``rlnode.cubes.sandbox.run_python`` (one fresh process per call, isolated
+but ``rlnode.cubes.wall.sandbox.run_python`` (one fresh process per call, isolated
 by the OS: bubblewrap, else unshare; with neither, every run_python call
 fails with a CubeError unless ``sandbox.isolation = "none"`` is set), and
 must not block the event loop: answers are computed in a worker thread.
@@ -31,7 +31,7 @@ from msgspec import Meta
 
 from rlnode.cubes.base import (Action, Cube, CubeError, CubeTask, CubeTaskRef, Evaluation, Reset, Split,
                                StepResult, ToolCall, ToolSpec, run_blocking)
-from rlnode.cubes.sandbox import SandboxError, SandboxLimits, SandboxResult, run_python
+from rlnode.cubes.wall.sandbox import SandboxError, SandboxLimits, SandboxResult, run_python
 from rlnode.cubes.tasks import split_index, task_rng
 
 _BUCKETS = 8  # one in eight problem texts is test material

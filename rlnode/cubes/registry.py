@@ -79,7 +79,7 @@ async def open_cubes(specs, seed: int, guarded: dict[str, str] | None = None) ->
     {config key: path} no agent box may be shown (``isolation.guard_paths``),
     set before the first cube starts."""
     if guarded is not None:
-        from rlnode.cubes.isolation import guard_paths
+        from rlnode.cubes.wall.isolation import guard_paths
 
         guard_paths(guarded)
     cubes: dict[str, Cube] = {}

@@ -72,8 +72,8 @@ from rlnode.cubes.base import (
     Action, AgentEndpoint, AgentTask, Cube, CubeError, CubeTaskRef, Evaluation, Reset, Split, StepResult, ToolSpec,
     run_blocking,
 )
-from rlnode.cubes import agent_sandbox, vf_runtime
-from rlnode.cubes.agent_sandbox import AgentLimits
+from rlnode.cubes.wall import agent_sandbox, vf_runtime
+from rlnode.cubes.wall.agent_sandbox import AgentLimits
 from rlnode.cubes.vf_scripts import cache_root
 from rlnode.cubes.foreign_loop import ForeignLoop
 from rlnode.cubes.tasks import split_index
@@ -110,7 +110,7 @@ class VerifiersOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     # runtime run: "bwrap" (one sandbox per runtime, as agents have it:
     # own pid and network namespaces, an unprivileged uid, the runtime's
     # working directory, no run dir or keys, only the loopback ports
-    # verifiers hands them: rlnode/cubes/vf_runtime.py) or "none" (as the
+    # verifiers hands them: rlnode/cubes/wall/vf_runtime.py) or "none" (as the
     # daemon's user; logged as an error). Process-wide: the first verifiers
     # cube that starts decides for all.
     isolation: Literal["bwrap", "none"] = "bwrap"

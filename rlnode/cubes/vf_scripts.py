@@ -45,7 +45,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlnode.cubes import isolation
+from rlnode.cubes.wall import isolation
 from rlnode.log import get_logger
 
 log = get_logger("rlnode.cubes.vf_scripts")

@@ -1,6 +1,6 @@
 """Run a command as a systemd unit would run it, without systemd as PID 1:
 what ``rlnode check --as-unit UNIT`` and the suite's unit tests use to see
-the wall (``rlnode/cubes/isolation.py``) the way a shipped unit's daemon
+the wall (``rlnode/cubes/wall/isolation.py``) the way a shipped unit's daemon
 sees it.
 
 Emulated, from the unit file's ``[Service]`` section:
@@ -137,9 +137,9 @@ async def probe_wall() -> dict:
     boxes' cgroups would go, or why there are none."""
     import sys
 
-    from rlnode.cubes import isolation
+    from rlnode.cubes.wall import isolation
 
-    from rlnode.cubes import box_cgroup
+    from rlnode.cubes.wall import box_cgroup
 
     works = await isolation.works("bwrap", sys.executable)
     return {"works": works, "fresh_procfs": isolation.fresh_procfs() if works else None,

@@ -255,7 +255,7 @@ def check_files(cfg: Config, role: str) -> list[Finding]:
     return out
 
 
-# Cube kinds that run code in the wall (rlnode/cubes/isolation.py) unless
+# Cube kinds that run code in the wall (rlnode/cubes/wall/isolation.py) unless
 # their isolation option says "none": the option's key, and its default.
 WALLED_KINDS = {"openai-agent": (("isolation",), "bwrap"), "verifiers": (("isolation",), "bwrap"),
                 "python-math": (("sandbox", "isolation"), "auto")}

@@ -59,14 +59,14 @@ import msgspec
 
 import rlnode
 from rlnode.config import ConfigError
-from rlnode.cubes import agent_sandbox, isolation
-from rlnode.cubes.agent_sandbox import AgentLimits, GatewayRelay
+from rlnode.cubes.wall import agent_sandbox, isolation
+from rlnode.cubes.wall.agent_sandbox import AgentLimits, GatewayRelay
 from rlnode.cubes.base import AgentEndpoint, AgentError, CubeError
-from rlnode.cubes.box_cgroup import BoxCgroup
+from rlnode.cubes.wall.box_cgroup import BoxCgroup
 from rlnode.frames import FrameProtocol
 from rlnode.log import get_logger
 
-log = get_logger("rlnode.cubes.agent_workers")
+log = get_logger("rlnode.cubes.wall.agent_workers")
 
 # Seconds a cancelled episode may take to unwind before its worker is killed.
 CANCEL_GRACE_S = 2.0
@@ -75,7 +75,7 @@ START_TIMEOUT_S = 120.0
 # Share of limits.cpu_s after which a worker retires (its own CPU time).
 RETIRE_FRACTION = 0.8
 # The worker's command: python -c WORKER_MAIN FD REF RETIRE_CPU_S
-WORKER_MAIN = ("import sys; from rlnode.cubes.agent_workers import worker_main; "
+WORKER_MAIN = ("import sys; from rlnode.cubes.wall.agent_workers import worker_main; "
                "worker_main(int(sys.argv[1]), sys.argv[2], float(sys.argv[3]))")
 # rlnode's own package, shown read-only in a worker's sandbox (its code, no data).
 RLNODE_DIR = os.path.dirname(os.path.abspath(rlnode.__file__))

@@ -50,13 +50,13 @@ import tempfile
 from typing import Any, AsyncIterator
 from urllib.parse import urlsplit, urlunsplit
 
-from rlnode.cubes import agent_sandbox, isolation
-from rlnode.cubes.agent_sandbox import AgentLimits, GatewayRelay
-from rlnode.cubes.box_cgroup import BoxCgroup
+from rlnode.cubes.wall import agent_sandbox, isolation
+from rlnode.cubes.wall.agent_sandbox import AgentLimits, GatewayRelay
+from rlnode.cubes.wall.box_cgroup import BoxCgroup
 from rlnode.cubes.vf_scripts import ScriptCache, ScriptError, cache_root
 from rlnode.log import get_logger
 
-log = get_logger("rlnode.cubes.vf_runtime")
+log = get_logger("rlnode.cubes.wall.vf_runtime")
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 # A read of a path outside the working directory, done in the box, with no

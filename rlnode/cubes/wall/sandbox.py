@@ -14,7 +14,7 @@ Layers, outermost first:
   Wall-clock timeout enforced here; output kept up to ``max_output_bytes``
   per stream, and a snippet that floods more than ``max_drain_bytes`` is
   killed so a flood costs bounded memory and event-loop time.
-* OS isolation (the security boundary): ``rlnode.cubes.isolation`` wraps the
+* OS isolation (the security boundary): ``rlnode.cubes.wall.isolation`` wraps the
   interpreter in bubblewrap (namespaces, a read-only minimal filesystem view,
   a private bounded tmpfs as the only writable place, no network, an
   unprivileged kernel uid), else ``unshare`` namespaces and the drop to
@@ -53,8 +53,8 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
-from rlnode.cubes import isolation
-from rlnode.cubes.isolation import Isolation, SandboxUnavailable
+from rlnode.cubes.wall import isolation
+from rlnode.cubes.wall.isolation import Isolation, SandboxUnavailable
 
 MiB = 1 << 20
 
@@ -133,7 +133,7 @@ class SandboxResult(msgspec.Struct, kw_only=True):
 # nofile max_created uid nproc` with the snippet on stdin and cwd = working
 # dir. Its audit hook is a friendly error, not a security layer (see above).
 # The first line marks sandbox processes in `ps`.
-_BOOTSTRAP = r'''# rlnode-sandbox bootstrap (rlnode.cubes.sandbox)
+_BOOTSTRAP = r'''# rlnode-sandbox bootstrap (rlnode.cubes.wall.sandbox)
 import posix, resource, sys
 
 EXIT_MEMORY = %(exit_memory)d

@@ -48,7 +48,7 @@ import time
 
 from rlnode.log import get_logger
 
-log = get_logger("rlnode.cubes.sandbox")
+log = get_logger("rlnode.cubes.wall.sandbox")
 
 CONTROLLERS = ("memory", "pids")
 # Joins the cgroups named by its first N arguments, then execs the rest.

@@ -1,5 +1,5 @@
 """OS-level isolation of sandboxed snippets: which layer wraps the child, and
-its command line. The security boundary of ``rlnode.cubes.sandbox`` lives
+its command line. The security boundary of ``rlnode.cubes.wall.sandbox`` lives
 here; the bootstrap's audit hook there is only a friendly error message.
 
 Owns: the choice of layer (probed per interpreter and layer; a definite
@@ -59,7 +59,7 @@ import msgspec
 
 from rlnode.log import get_logger
 
-log = get_logger("rlnode.cubes.sandbox")
+log = get_logger("rlnode.cubes.wall.sandbox")
 
 Isolation = Literal["auto", "bwrap", "unshare", "none"]
 Layer = Literal["bwrap", "unshare", "none"]
@@ -270,7 +270,7 @@ AGENT_PUBLIC_ETC = ("/etc/ssl/certs", "/etc/ssl/openssl.cnf", "/etc/ca-certifica
 
 def agent_prefix(env: dict[str, str], ro_paths: list[str], chdir: str, tmp_bytes: int,
                  rw_paths: tuple[str, ...] = (), uid: int | None = None) -> list[str]:
-    """bwrap argv for an agent (``rlnode/cubes/agent_sandbox.py``): the
+    """bwrap argv for an agent (``rlnode/cubes/wall/agent_sandbox.py``): the
     snippets' namespaces (pid, net with loopback only, ipc, uts) and fresh
     unprivileged uid, but with the Python installation whole (an agent
     imports its SDKs) and ``ro_paths`` (the agent's own files, the gateway

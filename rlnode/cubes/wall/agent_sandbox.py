@@ -50,11 +50,11 @@ import msgspec
 from msgspec import Meta
 
 from rlnode.config import ConfigError
-from rlnode.cubes import isolation
-from rlnode.cubes.box_cgroup import BoxCgroup, BoxCgroups
+from rlnode.cubes.wall import isolation
+from rlnode.cubes.wall.box_cgroup import BoxCgroup, BoxCgroups
 from rlnode.log import get_logger
 
-log = get_logger("rlnode.cubes.agent_sandbox")
+log = get_logger("rlnode.cubes.wall.agent_sandbox")
 
 SOCKET_NAME = "gateway.sock"
 # The port the bootstrap listens on inside a sandbox (its loopback is its own).
