@@ -29,6 +29,7 @@ anything that advertises what the hostname resolves to is caught.
 from __future__ import annotations
 
 import ctypes
+import errno
 import http.client
 import json
 import os
@@ -99,6 +100,49 @@ def in_netns(ns: str, fn):
     return out["value"]
 
 
+class ThreadFreeze:
+    """Stops single threads of another process, the rest of it running on:
+    ptrace stops are per thread (PTRACE_SEIZE, then PTRACE_INTERRUPT), where
+    SIGSTOP stops every thread of a process. ``thaw`` detaches (the threads
+    run on); so does the kernel if this process dies first. Every call must
+    come from the thread that froze them (ptrace's tracer is a thread)."""
+
+    SEIZE, INTERRUPT, DETACH = 0x4206, 0x4207, 17
+    WALL = 0x40000000  # waitpid's __WALL: a tracee that is another process's thread
+
+    def __init__(self):
+        self.libc = ctypes.CDLL(None, use_errno=True)
+        self.libc.ptrace.restype = ctypes.c_long
+        self.libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
+        self.frozen: list[int] = []
+
+    def _ptrace(self, op: int, tid: int) -> None:
+        if self.libc.ptrace(op, tid, None, None) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"ptrace({op:#x}, {tid}): {os.strerror(err)}")
+
+    def freeze(self, tid: int) -> bool:
+        """Stop thread ``tid``; False when it has ended already."""
+        try:
+            self._ptrace(self.SEIZE, tid)
+        except OSError as e:
+            if e.errno == errno.ESRCH:
+                return False
+            raise
+        self.frozen.append(tid)
+        self._ptrace(self.INTERRUPT, tid)
+        os.waitpid(tid, self.WALL)  # it has stopped
+        return True
+
+    def thaw(self) -> None:
+        while self.frozen:
+            tid = self.frozen.pop()
+            try:
+                self._ptrace(self.DETACH, tid)
+            except OSError:  # gone (its process ended)
+                pass
+
+
 class Node:
     """One host: a namespace, its address, its port on the switch, and the
     daemon it runs (at most one at a time)."""
@@ -132,6 +176,22 @@ class Node:
         """SIGSTOP (or SIGCONT) its whole session: it sends nothing more."""
         if self.proc is not None:
             os.killpg(self.proc.pid, signal.SIGSTOP if frozen else signal.SIGCONT)
+
+    def threads_named(self, name: str) -> list[int]:
+        """Native ids of the threads called ``name`` in any process of its session."""
+        tids = []
+        for pid in session_pids(self.proc.pid) if self.proc is not None else ():
+            try:
+                tasks = os.listdir(f"/proc/{pid}/task")
+            except OSError:
+                continue
+            for tid in tasks:
+                try:
+                    if Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip() == name:
+                        tids.append(int(tid))
+                except OSError:
+                    pass
+        return tids
 
     def kill(self) -> None:
         """kill -9, no goodbye. The whole session goes, multiprocessing's

@@ -68,10 +68,11 @@ async def test_a_box_cannot_fork_past_its_process_cap():
 def test_a_killed_daemons_box_cgroups_are_removed_by_the_next_one():
     """What a daemon killed -9 left (its rlnode-PID folder, a box in it, a
     process in the box) is gone after the next probe's sweep."""
-    dead = subprocess.Popen(["true"])
-    dead.wait()
+    # A pid above pid_max: never any process's (a pid freed just now could
+    # be a new daemon's by the time the sweep looks).
+    dead = int(open("/proc/sys/kernel/pid_max").read()) + 1
     bases = [os.path.dirname(p) for p in HERE.parents]
-    left = [os.path.join(b, f"rlnode-{dead.pid}", "box-0") for b in bases]
+    left = [os.path.join(b, f"rlnode-{dead}", "box-0") for b in bases]
     for folder in left:
         os.makedirs(folder)
     orphan = subprocess.Popen(["sleep", "60"])

@@ -14,6 +14,8 @@ of engine starts on 2 cores):
     test_trainer_kill_resume  3: trainer kill -9, restart with --resume
     test_engine_frozen        6: one actor's engine core frozen (SIGSTOP)
                                  while its daemon heartbeats
+    test_weight_thread_wedged 7: one actor's weight-receive thread stopped
+                                 after it joined, its engine core generating
 
 Each prints what it measured (time to detect, to recover, groups lost and
 duplicated). Groups are accounted for through the trainer's metrics.jsonl
@@ -29,7 +31,7 @@ from datetime import datetime, timezone
 
 import pytest
 
-from cluster import HTTP_PORT, LINK_PORT, Cluster, netns_supported
+from cluster import HTTP_PORT, LINK_PORT, Cluster, ThreadFreeze, netns_supported
 from daemons import ROOT
 
 pytestmark = [pytest.mark.engine, pytest.mark.cluster]
@@ -539,3 +541,65 @@ def test_engine_frozen(run):
            probes_unanswered=len(probes), readmit_s=round(readmitted, 1), catch_up_s=round(caught_up, 1),
            push_failures=len(failed), groups_lost=lost, groups_duplicated=len(dup))
     assert not dup and lost == 0
+
+
+def test_weight_thread_wedged(run):
+    """7. a1's weight-receive thread (``rlnode-weights`` in its engine core)
+    stopped after a1 joined the epoch, the rest of its engine core and its
+    daemon running on: the next push's collective times out at the
+    trainer, a2 answers and a1 does not, so a1 is named
+    (``SilentMembers``) and benched after trainer.weights.bench_after such
+    conversations; the trainer keeps stepping with a2 within max_lag and
+    stays healthy (none of it is the trainer's own failure); once the
+    thread runs again a1 answers a probe, rejoins in a fresh epoch,
+    catches up and contributes. No group is lost or trained twice. Before:
+    a failure that named nobody counted as the trainer's own, and the same
+    members were re-formed at every push."""
+    c, t = run.cluster, run.cluster.trainer
+    a1, a2 = c.nodes["a1"], c.nodes["a2"]
+    healthy_again(run)
+    # Both in the weight group: with a1 its only member, a stalled push
+    # could name no one (one member is the whole group).
+    t.wait(lambda st: sorted(m.split("/")[0] for m in st["roles"]["trainer"]["weights"]["members"]) == ["a1", "a2"],
+           300, "a weight group of a1 and a2")
+    tids = poll_value(lambda: a1.threads_named("rlnode-weights"), 60, "a1's weight job thread")
+    freeze, wedged_at, t_wedge = ThreadFreeze(), datetime.now(timezone.utc), time.monotonic()
+    try:
+        assert sum(freeze.freeze(tid) for tid in tids) >= 1, tids
+        st = t.wait(lambda st: "a1" in benched(st) and st, 300, "the trainer to bench a1")
+        detect = time.monotonic() - t_wedge
+        assert peer_connected(st, "a1"), "a1's daemon heartbeats: still connected, only benched"
+        failed = [e for e in t.events("weights.push_failed") if _when(e) > wedged_at]
+        silent = [e for e in failed if "no answer from" in e["error"] and e["blamed"]]
+        seen = [(e["error"][:400], e["blamed"], e["own_in_a_row"]) for e in failed]
+        assert silent and all(b.startswith("a1/") for e in silent for b in e["blamed"]), seen
+        assert all(e["own_in_a_row"] == 0 for e in failed), seen
+        v_bench = trainer_version(st)
+        run.steps_after(v_bench, 3, 300, "training on with a2 while a1 is benched")
+        st = t.must_status()
+        w = st["roles"]["trainer"]["weights"]
+        assert benched(st) == ["a1"] and [m.split("/")[0] for m in w["members"]] == ["a2"], w
+        a2.wait(lambda s: actor_version(s) >= trainer_version(st) - MAX_LAG, 60, "a2 within max_lag")
+        assert t.healthy(), t.get("/healthz")
+        assert a1.healthy() is not None, "a1's daemon answers"
+    finally:
+        freeze.thaw()
+    t_thaw = time.monotonic()
+    t.wait(lambda st: not benched(st), 300, "a1 to answer a probe and rejoin")
+    readmitted = time.monotonic() - t_thaw
+    v = run.version()
+    a1.wait(lambda st: actor_version(st) >= v, 300, "a1 to catch up")
+    steps_back = len(steps_of(run.run_dir))
+    poll(lambda: any(r["dropped_stale"] == 0 and any(g.startswith("a1-") for g in r["group_ids"])
+                     for r in steps_of(run.run_dir)[steps_back:]), 300, "a step that trains a group from a1")
+    dup, lost = duplicated_groups(run.run_dir), lost_groups(run)
+    report("weight_thread_wedged", detect_s=round(detect, 1), push_failures=len(failed),
+           named_silent=len(silent), readmit_s=round(readmitted, 1), groups_lost=lost, groups_duplicated=len(dup))
+    assert not dup and lost == 0
+
+
+def poll_value(fn, timeout: float, what: str, every: float = 0.25):
+    """``fn()``'s first truthy value; AssertionError after ``timeout``."""
+    found = []
+    poll(lambda: found.append(fn()) or found[-1], timeout, what, every)
+    return found[-1]

@@ -298,7 +298,9 @@ def _log_events(stderr: str) -> list[dict]:
 def test_example_config_trains_through_the_gateway(tiny_model_dir, tmp_path):
     """``rlnode --role all --config examples/guess_openai_sdk.toml``, cut to 3
     steps of 4 groups: each step trains whole groups of openai-agent samples,
-    and no episode fails, no group is dropped, every delivery is acked."""
+    and no episode fails, no group is dropped, every delivery is acked. Its
+    ops endpoint is exposed (0.0.0.0, a token), and the gateway hosts' port
+    stays on loopback (actor.gateway_bind)."""
     steps, groups, attempts = 3, 4, 4
     r = subprocess.run(
         [sys.executable, "-m", "rlnode", "--role", "all", "--config", "examples/guess_openai_sdk.toml", "--log-json",
@@ -307,6 +309,8 @@ def test_example_config_trains_through_the_gateway(tiny_model_dir, tmp_path):
          "--set", f"actor.scheduler.groups_per_step={groups}", "--set", f"actor.scheduler.attempts={attempts}",
          "--set", "actor.scheduler.eval_every=0", "--set", f"trainer.port={free_port()}",
          "--set", "http.trainer_port=0", "--set", "http.actor_port=0",
+         # The ops endpoint exposed, as on a real node: agents need no more than loopback.
+         "--set", 'http.host="0.0.0.0"', "--set", 'http.token="test-ops-token-0123456789"',
          "--set", f"trainer.weights.base_port={free_port()}"],
         cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "VLLM_CONFIGURE_LOGGING": "0"},
     )
@@ -325,6 +329,10 @@ def test_example_config_trains_through_the_gateway(tiny_model_dir, tmp_path):
     cube = stopped["cubes"]["guess5"]
     assert cube["errors"] == 0 and cube["retries"] == 0 and cube["groups_dropped"] == 0
     assert cube["episodes"] >= steps * groups * attempts
+    # The gateway hosts' port is on loopback, not on the ops endpoint's 0.0.0.0.
+    serving = next(e for e in events if e["event"] == "gateway.serving")
+    assert serving["bind"] == "127.0.0.1" and serving["url"].startswith("http://127.0.0.1:"), serving
+    assert "gateway.exposed" not in names
     flushed = next(e for e in events if e["event"] == "actor.link_flushed")
     assert flushed["all_acked"] and flushed["unacked"] == 0
     # An agent cube on the node: the loopback link runs under CurveZMQ with

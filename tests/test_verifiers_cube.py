@@ -522,6 +522,44 @@ async def test_the_runtimes_host_side_files_never_follow_a_link_out_of_its_box(v
     assert not os.path.exists(runtime.workdir)
 
 
+@pytest.mark.parametrize("flood", ["big", "many"])
+async def test_a_box_that_fills_its_working_directory_is_ended_naming_the_cap(vf, tmp_path, flood):
+    """A program writes into its runtime's working directory (on the node's
+    disk), as 1 MiB files or as empty ones, and waits: past
+    limits.disk_mib the daemon ends the box, the call fails naming the key,
+    the directory is gone after teardown, and another runtime runs on."""
+    from verifiers.v1.runtimes.subprocess import SubprocessConfig
+
+    from rlnode.cubes.wall.agent_sandbox import AgentLimits
+    from rlnode.cubes.wall.vf_runtime import make_walled_runtime
+    from rlnode.cubes.vf_scripts import ScriptCache
+
+    scripts = ScriptCache(tmp_path / "cache")
+    scripts.make_dirs()
+    make = make_walled_runtime(AgentLimits(disk_mib=8), {"PATH": "/usr/bin:/bin"}, scripts)
+    # 64 MiB as files, or 10,000 empty ones (40 MiB counted), then it waits
+    # to be stopped: the daemon's check comes every second, the program
+    # gives up (and says DONE) only after two minutes.
+    write, count = ("head -c 1048576 /dev/zero > f$i", 64) if flood == "big" else (": > f$i", 10_000)
+    fill = f"i=0; while [ $i -lt {count} ]; do {write}; i=$((i+1)); done; sleep 120; echo DONE"
+    runtime = make(SubprocessConfig(), "rt-fill")
+    await runtime.start()
+    try:
+        with pytest.raises(Exception, match="limits.disk_mib = 8") as err:
+            done = await runtime.run(["sh", "-c", fill], {})
+            raise AssertionError(f"the box wrote on: exit {done.exit_code}, {done.stdout[-80:]!r}")
+        assert "DONE" not in str(err.value)
+    finally:
+        await runtime.teardown()
+    assert not os.path.exists(runtime.workdir)
+    other = make(SubprocessConfig(), "rt-other")
+    await other.start()
+    try:
+        assert (await other.run(["sh", "-c", "echo ok > f && cat f"], {})).stdout.strip() == "ok"
+    finally:
+        await other.teardown()
+
+
 def test_rlnode_eval_prints_one_line_for_a_cube_that_cannot_start(vf, tmp_path, capsys):
     """`rlnode eval` (its command function, in-process: cubes start before
     any engine) on an environment that cannot be imported and on one left

@@ -28,6 +28,7 @@ from rlnode.actor.gateway import Gateway, HostedGateway
 from rlnode.actor.generation import LLMClient
 from rlnode.actor.router import AdmissionRouter
 from rlnode.actor.scheduler import Group, RolloutScheduler, VersionSource
+from rlnode.addresses import is_loopback
 from rlnode.config import Config, actor_node_id, effective_max_lag, engine_lora_rank, groups_in_flight
 from rlnode.aio import run_until_stopped, spawn
 from rlnode.cubes.base import Cube
@@ -194,10 +195,15 @@ class ActorDaemon:
             # External agents' episodes only: native cubes alone start no
             # gateway host process and bind no agent socket.
             if self._gateway_needed:
-                if self._hosted:  # a port of its own, on the interface the ops endpoint's would be
-                    http = self.cfg.http
-                    await self._gateway_site.enter_async_context(
-                        self.gateway.serve(http.host if http.enabled else "127.0.0.1", 0))
+                if self._hosted:  # a port of its own, as wide as the agents need (loopback by default)
+                    bind = self.cfg.actor.gateway_bind
+                    await self._gateway_site.enter_async_context(self.gateway.serve(bind, 0))
+                    if is_loopback(bind):
+                        log.info("gateway.serving", bind=bind, url=self.gateway.url)
+                    else:
+                        log.warning("gateway.exposed", bind=bind, url=self.gateway.url, key="actor.gateway_bind",
+                                    effect="machines that reach this address reach the episode routes (each "
+                                           "episode's own key still needed)")
                 elif not self.gateway.url:  # no ops endpoint: the gateway listens on its own (loopback)
                     await self._gateway_site.enter_async_context(self.gateway.serve("127.0.0.1", 0))
                 else:  # the ops endpoint serves the routes; sandboxed agents get the episode routes alone

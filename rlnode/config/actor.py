@@ -214,8 +214,8 @@ class ActorConfig(Section):
     # samples (rlnode/actor/gateway/hosted.py). Either way the gateway runs
     # only when a cube hands episodes to agents (Cube.runs_agents; the
     # native cubes do not). The host then listens on a
-    # port of its own (any free one, on http.host; loopback with [http]
-    # off), never the ops endpoint's, and on the agents' socket; a host that
+    # port of its own (any free one, on gateway_bind), never the ops
+    # endpoint's, and on the agents' socket; a host that
     # dies fails its open episodes (retried) and is restarted on the same
     # sockets. One host serves ~700-900 calls/s (1.1-1.5 ms of its CPU per
     # call); the daemon's loop keeps ~0.3-0.4 ms per call.
@@ -227,4 +227,11 @@ class ActorConfig(Section):
     # what one core can (~700-900 calls/s); a GPU node whose agents make
     # more calls than that wants one host per such share, cores permitting.
     gateway_hosts: Annotated[int, Meta(ge=1, le=64)] = 1
+    # Address the gateway hosts' TCP ports listen on (gateway_host =
+    # "process"). Agents on this node need no more than loopback: sandboxed
+    # ones reach the gateway through their box's socket, unsandboxed ones
+    # (isolation = "none") on 127.0.0.1. Set another address only for
+    # agents that run on other machines; each episode's routes still need
+    # its own key, and the start logs the exposure (gateway.exposed).
+    gateway_bind: str = "127.0.0.1"
 

@@ -42,7 +42,8 @@ as the user it runs as, ``--as-unit`` as a unit runs the daemon.
 The modules: ``isolation`` (the layers, bwrap's argv, the probe, guarded
 paths), ``sandbox`` (python snippets), ``agent_sandbox`` (agents' boxes,
 the relay, ``AgentLimits``), ``agent_workers`` (function agents' workers
-and their channel), ``vf_runtime`` (a verifiers runtime in one box),
+and their channel), ``vf_runtime`` (verifiers' runtime, walled) and
+``vf_box`` (the one box it starts its programs in),
 ``box_cgroup`` (a box's cgroup). docs/security.md is the long form, per
 path (root and unit) and per agent kind.
 """

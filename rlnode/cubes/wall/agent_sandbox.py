@@ -93,6 +93,11 @@ class AgentLimits(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, froz
     # ``processes``. Needs a cgroup the daemon may make (box_cgroup.py);
     # without one, each process keeps the rlimits above, logged at start.
     box_memory_mib: Annotated[int, Meta(ge=64)] = 8192
+    # What a verifiers runtime's box may keep in its working directory on
+    # the node's disk, MiB, all files together (each counted at least 4 KiB):
+    # summed every second, the box is ended past it and the episode's error
+    # names this key. Other boxes write only their /tmp (tmp_mib, memory).
+    disk_mib: Annotated[int, Meta(ge=1)] = 4096
 
     def rlimits(self) -> str:
         """The bootstrap's limits argument (``set_limits``)."""
@@ -101,7 +106,7 @@ class AgentLimits(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, froz
 
 
 # The loopback relay inside a sandbox, shared by its first process (BOOTSTRAP
-# here, vf_runtime.BOX_INIT): listen(port, path) relays every connection to
+# here, vf_box.BOX_INIT): listen(port, path) relays every connection to
 # 127.0.0.1:port to the unix socket at path. One selector thread, so the
 # relay's own threads never count against the sandbox's process limit.
 RELAY = r"""

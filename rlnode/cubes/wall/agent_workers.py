@@ -294,8 +294,13 @@ class AgentWorkers:
         self.retired = 0  # workers that neared their CPU limit and were replaced
 
     async def start(self) -> None:
-        """Spawn the workers; an agent that cannot be loaded fails here."""
-        await asyncio.gather(*(self._spawn() for _ in range(self.processes)))
+        """Spawn the workers; an agent that cannot be loaded fails here. Every
+        spawn ends (started or failed) before the first failure is raised, so
+        the caller's ``close`` finds every worker that did start."""
+        spawned = await asyncio.gather(*(self._spawn() for _ in range(self.processes)), return_exceptions=True)
+        for outcome in spawned:
+            if isinstance(outcome, BaseException):
+                raise outcome
 
     async def _spawn(self) -> _Worker:
         loop = asyncio.get_running_loop()

@@ -327,8 +327,9 @@ def _probe() -> BoxCgroups:
     for base in bases:
         _sweep(base)
         node = os.path.join(base, f"rlnode-{os.getpid()}")
+        _remove_tree(node)  # a daemon killed -9 that had this pid before us
         try:
-            os.makedirs(node, exist_ok=True)
+            os.makedirs(node)
         except OSError as e:
             for made in parents:
                 _remove_tree(made)
