@@ -483,6 +483,43 @@ def benched(st) -> list[str]:
     return [b["node_id"] for b in st["roles"]["trainer"]["weights"]["benched"]]
 
 
+def trains_on_without_a1(run, st, since: datetime) -> list[dict]:
+    """With a1 benched (``st``): 3 more steps with a2 alone, each within
+    max_lag, a2 keeping up, the trainer healthy (a1's failures are not its
+    own: no reason for its watchdog). The steps that began once a1 was out."""
+    t, a2 = run.cluster.trainer, run.cluster.nodes["a2"]
+    v_bench = trainer_version(st)
+    run.steps_after(v_bench, 3, 300, "training on with a2 while a1 is benched")
+    st = t.must_status()
+    w = st["roles"]["trainer"]["weights"]
+    assert benched(st) == ["a1"] and [m.split("/")[0] for m in w["members"]] == ["a2"], w
+    a2.wait(lambda s: actor_version(s) >= trainer_version(st) - MAX_LAG, 60, "a2 within max_lag")
+    assert t.healthy(), t.get("/healthz")
+    # The push that benched a1 may have been a step's: only those after it.
+    while_benched = [r for r in steps_of(run.run_dir) if r["time"] > since.timestamp() and r["version"] > v_bench]
+    assert while_benched and all(r["weights_pushed"] and r["lag_max"] <= MAX_LAG for r in while_benched), \
+        [(r["weights_pushed"], r["lag_max"]) for r in while_benched]
+    return while_benched
+
+
+def a1_back(run, since: float) -> tuple[float, float]:
+    """a1 answers a probe and rejoins, catches up, and contributes again: a
+    step trains a group of a1's with none of its samples dropped as stale
+    (those it generated while out are). Seconds from ``since`` to the
+    readmission and to the catch-up."""
+    t, a1 = run.cluster.trainer, run.cluster.nodes["a1"]
+    t.wait(lambda st: not benched(st) and st["roles"]["trainer"]["weights"]["readmissions"] > 0, 300,
+           "a1 to answer a probe and rejoin")
+    readmitted = time.monotonic() - since
+    v = run.version()
+    a1.wait(lambda st: actor_version(st) >= v, 300, "a1 to catch up")
+    caught_up = time.monotonic() - since
+    steps_back = len(steps_of(run.run_dir))
+    poll(lambda: any(r["dropped_stale"] == 0 and any(g.startswith("a1-") for g in r["group_ids"])
+                     for r in steps_of(run.run_dir)[steps_back:]), 300, "a step that trains a group from a1")
+    return readmitted, caught_up
+
+
 def test_engine_frozen(run):
     """6. a1's vLLM engine core frozen (SIGSTOP) while its daemon keeps
     heartbeating: a1 is benched after trainer.weights.bench_after failed
@@ -504,34 +541,11 @@ def test_engine_frozen(run):
         st = t.wait(lambda st: "a1" in benched(st) and st, 300, "the trainer to bench a1")
         detect = time.monotonic() - t_freeze
         assert peer_connected(st, "a1"), "a1's daemon heartbeats: still connected, only benched"
-        v_bench = trainer_version(st)
-        run.steps_after(v_bench, 3, 300, "training on with a2 while a1 is benched")
-        st = t.must_status()
-        w = st["roles"]["trainer"]["weights"]
-        assert benched(st) == ["a1"] and [m.split("/")[0] for m in w["members"]] == ["a2"], w
-        a2.wait(lambda s: actor_version(s) >= trainer_version(st) - MAX_LAG, 60, "a2 within max_lag")
-        # a1's failures are not the trainer's own: /healthz green, no reason for its watchdog.
-        assert t.healthy(), t.get("/healthz")
-        # Steps that began once a1 was out (the push that benched it may have been a step's).
-        while_benched = [r for r in steps_of(run.run_dir)
-                         if r["time"] > frozen_at.timestamp() and r["version"] > v_bench]
-        assert while_benched and all(r["weights_pushed"] and r["lag_max"] <= MAX_LAG for r in while_benched), \
-            [(r["weights_pushed"], r["lag_max"]) for r in while_benched]
+        while_benched = trains_on_without_a1(run, st, frozen_at)
     finally:
         for pid in cores:
             os.kill(pid, signal.SIGCONT)
-    t_thaw = time.monotonic()
-    t.wait(lambda st: not benched(st) and st["roles"]["trainer"]["weights"]["readmissions"] > 0, 300,
-           "a1 to answer a probe and rejoin")
-    readmitted = time.monotonic() - t_thaw
-    v = run.version()
-    a1.wait(lambda st: actor_version(st) >= v, 300, "a1 to catch up")
-    caught_up = time.monotonic() - t_thaw
-    steps_back = len(steps_of(run.run_dir))
-    # Contributes again: a step trains a group of a1's with none of its
-    # samples dropped as stale (those it generated while frozen are).
-    poll(lambda: any(r["dropped_stale"] == 0 and any(g.startswith("a1-") for g in r["group_ids"])
-                     for r in steps_of(run.run_dir)[steps_back:]), 300, "a step that trains a group from a1")
+    readmitted, caught_up = a1_back(run, time.monotonic())
     epoch = t.events("weights.epoch")[-1]
     assert len(epoch["peers"]) == 2, epoch
     dup, lost = duplicated_groups(run.run_dir), lost_groups(run)
@@ -574,27 +588,15 @@ def test_weight_thread_wedged(run):
         seen = [(e["error"][:400], e["blamed"], e["own_in_a_row"]) for e in failed]
         assert silent and all(b.startswith("a1/") for e in silent for b in e["blamed"]), seen
         assert all(e["own_in_a_row"] == 0 for e in failed), seen
-        v_bench = trainer_version(st)
-        run.steps_after(v_bench, 3, 300, "training on with a2 while a1 is benched")
-        st = t.must_status()
-        w = st["roles"]["trainer"]["weights"]
-        assert benched(st) == ["a1"] and [m.split("/")[0] for m in w["members"]] == ["a2"], w
-        a2.wait(lambda s: actor_version(s) >= trainer_version(st) - MAX_LAG, 60, "a2 within max_lag")
-        assert t.healthy(), t.get("/healthz")
+        while_benched = trains_on_without_a1(run, st, wedged_at)
         assert a1.healthy() is not None, "a1's daemon answers"
     finally:
         freeze.thaw()
-    t_thaw = time.monotonic()
-    t.wait(lambda st: not benched(st), 300, "a1 to answer a probe and rejoin")
-    readmitted = time.monotonic() - t_thaw
-    v = run.version()
-    a1.wait(lambda st: actor_version(st) >= v, 300, "a1 to catch up")
-    steps_back = len(steps_of(run.run_dir))
-    poll(lambda: any(r["dropped_stale"] == 0 and any(g.startswith("a1-") for g in r["group_ids"])
-                     for r in steps_of(run.run_dir)[steps_back:]), 300, "a step that trains a group from a1")
+    readmitted, caught_up = a1_back(run, time.monotonic())
     dup, lost = duplicated_groups(run.run_dir), lost_groups(run)
-    report("weight_thread_wedged", detect_s=round(detect, 1), push_failures=len(failed),
-           named_silent=len(silent), readmit_s=round(readmitted, 1), groups_lost=lost, groups_duplicated=len(dup))
+    report("weight_thread_wedged", detect_s=round(detect, 1), steps_while_benched=len(while_benched),
+           push_failures=len(failed), named_silent=len(silent), readmit_s=round(readmitted, 1),
+           catch_up_s=round(caught_up, 1), groups_lost=lost, groups_duplicated=len(dup))
     assert not dup and lost == 0
 
 
