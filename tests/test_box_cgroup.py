@@ -91,3 +91,29 @@ def test_a_killed_daemons_box_cgroups_are_removed_by_the_next_one():
             if os.path.exists(folder):
                 os.rmdir(folder)
                 os.rmdir(os.path.dirname(folder))
+
+
+def test_boxes_that_start_together_share_one_probe(monkeypatch):
+    """Workers spawned at once ask for the node's cgroups from threads at
+    once: one probe answers them all. (A second probe removes the first's
+    folder and kills the boxes already in it: a cube start failed so.)"""
+    import threading
+    import time
+
+    probes = []
+    real = box_cgroup._probe
+
+    def slow_probe():
+        probes.append(1)
+        time.sleep(0.2)  # the window the others would probe in
+        return real()
+
+    monkeypatch.setattr(BoxCgroups, "_here", None)
+    monkeypatch.setattr(box_cgroup, "_probe", slow_probe)
+    answers = []
+    threads = [threading.Thread(target=lambda: answers.append(BoxCgroups.here())) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(probes) == 1 and len({id(a) for a in answers}) == 1 and answers[0].parents

@@ -253,21 +253,27 @@ async def test_limits_are_checked_before_tokenizing(engine, tokenizer, router, m
 
 class HeldEngine:
     """The real engine, with the calls of ``max_tokens`` held at a gate the
-    test opens: which of two calls finishes first is the test's choice,
-    not the clock's."""
+    test opens: which of two calls finishes first, or whether a call's
+    client is gone before its reply exists, is the test's choice, not the
+    clock's. ``after``: the engine runs the call first, its result waits."""
 
-    def __init__(self, engine, max_tokens: int):
-        self.engine, self.max_tokens = engine, max_tokens
+    def __init__(self, engine, max_tokens: int, after: bool = False):
+        self.engine, self.max_tokens, self.after = engine, max_tokens, after
         self.arrived, self.release = asyncio.Event(), asyncio.Event()
 
     def __getattr__(self, name):
         return getattr(self.engine, name)
 
     async def generate(self, prompt_token_ids, sampling, **kwargs):
-        if sampling.max_tokens == self.max_tokens:
+        held = sampling.max_tokens == self.max_tokens
+        if held and not self.after:
             self.arrived.set()
             await self.release.wait()
-        return await self.engine.generate(prompt_token_ids, sampling, **kwargs)
+        out = await self.engine.generate(prompt_token_ids, sampling, **kwargs)
+        if held and self.after:
+            self.arrived.set()
+            await self.release.wait()
+        return out
 
 
 async def test_a_call_that_finishes_late_does_not_rewind_the_history(make_gateway, engine, router, hf_model):
@@ -418,23 +424,37 @@ async def test_greedy_evaluation_settings_win_over_the_agents_temperature(make_g
 
 
 async def test_a_reply_the_agent_never_got_is_not_trained(make_gateway, router, engine, hf_model):
-    """The agent gives up on a call (a client timeout) while the engine
-    still runs it, then retries. The call it never saw is not trained on,
-    and the retry extends the history the agent did see."""
-    # A first call long enough (512 tokens, no early end) to hang up during.
+    """The agent gives up on a call (a client timeout) after the engine has
+    run it and before its reply reaches the agent, then retries. The call
+    it never saw is not trained on, and the retry extends the history the
+    agent did see. The finished call is held at a gate until the gateway
+    has dropped it: otherwise a reply written just before the hang-up was
+    noticed (a loaded host) would count as delivered, the clock's choice."""
     settings = EpisodeSettings(SamplingSettings(max_tokens=512, ignore_eos=True), max_turns=6, max_model_len=2048)
-    gw = make_gateway(router, settings)
+    held = HeldEngine(engine, max_tokens=512, after=True)
+    gw = make_gateway(router, settings, engine=held)
     async with gw.serve(), gw.session("ep-hangup") as s:
         client = client_for(s)
         messages = [{"role": "user", "content": "x"}]
         first = asyncio.create_task(client.chat.completions.create(model="tiny", messages=messages))
-        while not s._inflight:  # the engine has the call
-            await asyncio.sleep(0.002)
-        first.cancel()  # httpx closes the connection of a cancelled request
-        with pytest.raises(asyncio.CancelledError):
-            await first
-        while s._inflight:
-            await asyncio.sleep(0.002)
+        try:
+            await asyncio.wait_for(held.arrived.wait(), 120)  # the engine ran it; its reply waits
+            first.cancel()  # httpx closes the connection of a cancelled request
+            with pytest.raises(asyncio.CancelledError):
+                await first
+            if isinstance(gw, HostedGateway):  # the host reports the hang-up and the daemon drops the call
+                async with asyncio.timeout(60):
+                    while s._inflight:
+                        await asyncio.sleep(0.002)
+            else:
+                # Inline, the server is on this loop: the client's close and
+                # the server's end of file are events ready before this timer.
+                await asyncio.sleep(0.05)
+        finally:
+            held.release.set()
+        async with asyncio.timeout(60):  # dropped (process) or found unsent at its write (inline)
+            while s._inflight:
+                await asyncio.sleep(0.002)
         await s.settle()
         retry = await client.chat.completions.create(model="tiny", messages=messages, max_tokens=2)
         messages += [retry.choices[0].message, {"role": "user", "content": "next"}]

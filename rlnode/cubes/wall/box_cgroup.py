@@ -44,6 +44,7 @@ import errno
 import itertools
 import os
 import signal
+import threading
 import time
 
 from rlnode.log import get_logger
@@ -51,6 +52,7 @@ from rlnode.log import get_logger
 log = get_logger("rlnode.cubes.wall.sandbox")
 
 CONTROLLERS = ("memory", "pids")
+_probing = threading.Lock()
 # Joins the cgroups named by its first N arguments, then execs the rest.
 # Exit 125 (the box never started) when a join is refused.
 ENTER = 'n=$1; shift; while [ "$n" -gt 0 ]; do echo $$ > "$1" || exit 125; shift; n=$((n - 1)); done; exec "$@"'
@@ -231,7 +233,15 @@ class BoxCgroups:
 
     @classmethod
     def here(cls) -> BoxCgroups:
-        """The node's answer, probed once per process (logged once)."""
+        """The node's answer, probed once per process (logged once). Boxes
+        that start together ask together (from threads): one probes, the
+        others wait for its answer (a second probe would remove the first's
+        folder, with its boxes in it)."""
+        with _probing:
+            return cls._probe_once()
+
+    @classmethod
+    def _probe_once(cls) -> BoxCgroups:
         if cls._here is None:
             try:
                 cls._here = _probe()
