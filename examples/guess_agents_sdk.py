@@ -10,8 +10,9 @@ evaluator, so ``play`` returns None.
 
 How it differs from a stock Agents SDK agent:
 
-* the model is ``OpenAIChatCompletionsModel`` on the episode's base URL (the
-  gateway serves Chat Completions, not the Responses API), and tracing is
+* the model is ``OpenAIChatCompletionsModel`` on the episode's base URL
+  (``play``; ``play_responses`` runs the same agent on the SDK's default,
+  ``OpenAIResponsesModel``: the gateway serves both APIs), and tracing is
   off (it would export to api.openai.com);
 * the ``guess`` tool ends the run as soon as the game is over
   (``tool_use_behavior``): one more LLM call after "Correct!" would only add
@@ -32,8 +33,8 @@ import os
 import sys
 
 import httpx
-from agents import (Agent, MaxTurnsExceeded, OpenAIChatCompletionsModel, RunConfig, RunContextWrapper, Runner,
-                    ToolsToFinalOutputResult, function_tool, set_tracing_disabled)
+from agents import (Agent, MaxTurnsExceeded, OpenAIChatCompletionsModel, OpenAIResponsesModel, RunConfig,
+                    RunContextWrapper, Runner, ToolsToFinalOutputResult, function_tool, set_tracing_disabled)
 from agents.tool import FunctionToolResult
 from openai import AsyncOpenAI, DefaultAsyncHttpxClient
 
@@ -88,12 +89,12 @@ def stop_when_done(ctx: RunContextWrapper[Game], results: list[FunctionToolResul
 AGENT = Agent[Game](name="guesser", tools=[guess], tool_use_behavior=stop_when_done)
 
 
-async def play(task: dict, base_url: str, api_key: str) -> None:
+async def play(task: dict, base_url: str, api_key: str, responses: bool = False) -> None:
     set_tracing_disabled(True)
     client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0,
                          http_client=DefaultAsyncHttpxClient(verify=TLS))
-    agent = AGENT.clone(model=OpenAIChatCompletionsModel(model="policy", openai_client=client),
-                        instructions=task.get("system") or None)
+    model = (OpenAIResponsesModel if responses else OpenAIChatCompletionsModel)(model="policy", openai_client=client)
+    agent = AGENT.clone(model=model, instructions=task.get("system") or None)
     game = Game(env_url(base_url), api_key)
     items: list = [{"role": "user", "content": task["prompt"]}]
     calls = 0
@@ -116,6 +117,11 @@ async def play(task: dict, base_url: str, api_key: str) -> None:
     finally:
         await client.close()
         await game.close()
+
+
+async def play_responses(task: dict, base_url: str, api_key: str) -> None:
+    """The same agent on the Responses API (the SDK's default model)."""
+    return await play(task, base_url, api_key, responses=True)
 
 
 if __name__ == "__main__":  # command mode: the task arrives on stdin

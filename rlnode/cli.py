@@ -206,6 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--gateway-hosts", type=int, default=0, metavar="N",
                        help="gateway: host processes with --gateway-host process (actor.gateway_hosts; "
                        "0, the default, takes the config's)")
+    bench.add_argument("--protocol", choices=("chat", "responses", "messages", "completions"), default="chat",
+                       help="gateway: the API the agent speaks (its example: examples/guess_openai_sdk.py, "
+                       "guess_responses_sdk.py, guess_anthropic_sdk.py, guess_completions.py; default chat)")
     bench.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     return p
 

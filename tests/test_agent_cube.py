@@ -232,11 +232,12 @@ async def test_command_agent_does_not_inherit_the_daemons_secrets(gateway, tmp_p
     with pytest.raises(CubeError, match="exited with 3") as e:  # this agent only reports its environment
         await play(gateway, cube)
     seen = json.loads(str(e.value).split("ENV ", 1)[1])
-    assert [k for k in seen if k.startswith(("RLNODE_", "OPENAI_"))] == [
-        "OPENAI_API_KEY", "OPENAI_BASE_URL", "RLNODE_ENV_URL", "RLNODE_MODEL"]
+    endpoint = ["ANTHROPIC_API_KEY", "ANTHROPIC_BASE_URL", "OPENAI_API_KEY", "OPENAI_BASE_URL", "RLNODE_ENV_URL",
+                "RLNODE_MODEL"]
+    assert [k for k in seen if k.startswith(("RLNODE_", "OPENAI_", "ANTHROPIC_"))] == endpoint
     # An allowlist: whatever else the daemon holds stays with it.
-    assert set(seen) <= set(AGENT_ENV_ALLOW) | {"OUT_FILE", "OPENAI_API_KEY", "OPENAI_BASE_URL", "RLNODE_ENV_URL",
-                                                 "RLNODE_MODEL", "PWD", "MALLOC_ARENA_MAX"} | {k for k in seen if k.startswith("LC_")}
+    assert set(seen) <= set(AGENT_ENV_ALLOW) | {"OUT_FILE", "PWD", "MALLOC_ARENA_MAX", *endpoint} | {
+        k for k in seen if k.startswith("LC_")}
     assert "PATH" in seen
 
 

@@ -113,3 +113,19 @@ async def test_bench_gateway_on_the_null_engine(gateway_host, tokenizer, capsys)
     print_table(res)
     out = capsys.readouterr().out
     assert "null engine" in out and "engine none (null)" in out and "event-loop thread" in out
+
+
+@pytest.mark.parametrize("protocol", ["responses", "messages", "completions"])
+async def test_bench_gateway_plays_each_api_on_the_null_engine(protocol, tokenizer, capsys):
+    """``--protocol``: the example agent of each API plays through the
+    gateway, its every call extending the last (no history reset)."""
+    settings = EpisodeSettings(SamplingSettings(max_tokens=4, ignore_eos=True), max_turns=8, max_model_len=2048)
+    renderer = ChatRenderer(tokenizer)
+    eng = null_engine(renderer, DEMO_GAME)
+    await eng.start()
+    res = await compare(LLMClient([eng], AdmissionRouter(1, 4)), renderer, settings, DEMO_GAME, seed=0, episodes=8,
+                        concurrency=4, rounds=1, log=lambda msg: None, engine="null", protocol=protocol)
+    assert res.protocol == protocol and res.history_resets == 0 and res.gateway_calls > 0
+    assert 1.0 <= res.calls_per_episode <= 3.0 and res.calls_per_s > 0
+    print_table(res)
+    assert f"{protocol} agent via the gateway" in capsys.readouterr().out

@@ -45,6 +45,8 @@ from rlnode.cubes.tasks import first_number
 from rlnode.wire import unpack_f32, unpack_i32
 
 AGENTS_SDK = ROOT / "examples" / "guess_agents_sdk.py"
+ANTHROPIC_SDK = ROOT / "examples" / "guess_anthropic_sdk.py"
+RESPONSES_SDK = ROOT / "examples" / "guess_responses_sdk.py"
 GAME = {"kind": "guessing", "options": {"max_number": 5, "max_turns": 3, "feedback": "range"}}
 
 
@@ -55,8 +57,8 @@ def load_example(path):
     return module
 
 
-async def agent_cube(path=AGENTS_SDK):
-    cube = make_cube("guess", "openai-agent", {"agent": f"{path}:play", "env": GAME}, seed=0)
+async def agent_cube(path=AGENTS_SDK, fn="play"):
+    cube = make_cube("guess", "openai-agent", {"agent": f"{path}:{fn}", "env": GAME}, seed=0)
     await cube.start()
     return cube
 
@@ -184,6 +186,32 @@ async def test_agents_sdk_tool_call_round_trip_extends_the_prompt(tokenizer):
     await cube.close()
 
 
+@pytest.mark.parametrize("path,fn", [
+    (ANTHROPIC_SDK, "play"), (ANTHROPIC_SDK, "play_streamed"),  # Messages: tool_use -> tool_result
+    (RESPONSES_SDK, "play"), (RESPONSES_SDK, "play_resending"), (RESPONSES_SDK, "play_streamed"),  # Responses
+    (AGENTS_SDK, "play_responses"),  # the Agents SDK on its default model, OpenAIResponsesModel
+], ids=["messages", "messages-streamed", "responses-previous-id", "responses-resent", "responses-streamed",
+        "agents-sdk-responses"])
+async def test_sdk_agents_tool_loop_extends_the_prompt(path, fn, tokenizer):
+    """Each SDK's own tool loop, unmodified: guess 4 by a tool call (the
+    reply read by the hermes parser, handed to the agent in its API's
+    shape), the game's answer back as that API's tool result, then "2" as
+    text. The second prompt is the first + the call + exactly the template
+    tokens of the tool result, as with chat completions."""
+    renderer = ChatRenderer(tokenizer)
+    cube = await agent_cube(path, fn)
+    policy, gw = scripted_gateway(tokenizer, [CALL_4, "2"])
+    async with gw.serve():
+        r = await run_agent_episode(gw, await cube.open_task(await task_with_target(cube, 2)), SCRIPTED, "ep", "g")
+    await cube.close()
+    assert (r.reward, r.num_turns, r.termination_reason, r.agent_errors) == (1.0, 2, "done", 0)
+    assert gw.stats.history_resets == 0 and gw.stats.errors == 0
+    (p0, c0), (p1, _) = rows(r.samples[0]), rows(r.samples[1])
+    assert '"name": "guess"' in tokenizer.decode(p0)  # the agent's tool, offered to the model
+    tool_turn = renderer.next_messages(c0, [{"role": "tool", "content": "Lower. It is between 1 and 3."}])
+    assert p1 == p0 + c0 + tool_turn == policy.prompts[1]
+
+
 async def test_gateway_samples_equal_the_native_loops(tokenizer):
     """The same replies, once through the openai-SDK example and the gateway,
     once through rlnode's own loop with the task advertising the same guess
@@ -295,15 +323,17 @@ def _log_events(stderr: str) -> list[dict]:
 
 
 @pytest.mark.engine
-def test_example_config_trains_through_the_gateway(tiny_model_dir, tmp_path):
-    """``rlnode --role all --config examples/guess_openai_sdk.toml``, cut to 3
-    steps of 4 groups: each step trains whole groups of openai-agent samples,
+@pytest.mark.parametrize("config", ["guess_openai_sdk.toml", "guess_anthropic_sdk.toml", "guess_responses_sdk.toml"])
+def test_example_config_trains_through_the_gateway(config, tiny_model_dir, tmp_path):
+    """``rlnode --role all --config examples/CONFIG``, cut to 3 steps of 4
+    groups, for the agents on Chat Completions, Anthropic Messages and the
+    Responses API: each step trains whole groups of openai-agent samples,
     and no episode fails, no group is dropped, every delivery is acked. Its
     ops endpoint is exposed (0.0.0.0, a token), and the gateway hosts' port
     stays on loopback (actor.gateway_bind)."""
     steps, groups, attempts = 3, 4, 4
     r = subprocess.run(
-        [sys.executable, "-m", "rlnode", "--role", "all", "--config", "examples/guess_openai_sdk.toml", "--log-json",
+        [sys.executable, "-m", "rlnode", "--role", "all", "--config", f"examples/{config}", "--log-json",
          "--set", f"model.path={tiny_model_dir}", "--set", f"run.run_dir={tmp_path / 'run'}",
          "--set", "run.progress=false", "--set", f"trainer.max_steps={steps}",
          "--set", f"actor.scheduler.groups_per_step={groups}", "--set", f"actor.scheduler.attempts={attempts}",
@@ -322,6 +352,10 @@ def test_example_config_trains_through_the_gateway(tiny_model_dir, tmp_path):
         # Each episode makes 1..3 LLM calls (one per guess), each one sample.
         assert x["groups"] == groups and groups * attempts <= x["samples"] <= 3 * groups * attempts
         assert x["weights_pushed"] and x["dropped_stale"] == 0
+        # Multi-turn episodes' calls extend one another token for token
+        # (actor.gateway_history = "extend"), counted by the trainer.
+        assert x.get("turns_extending_fraction", 1.0) == 1.0
+    assert sum(x["turn_pairs"] for x in step_records) > 0  # guesses after a miss
     events = _log_events(r.stderr)
     names = {e["event"] for e in events}
     assert not names & {"episode.failed", "group.dropped", "agent.stopped_by_gateway"}, names

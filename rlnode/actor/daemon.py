@@ -161,9 +161,10 @@ class ActorDaemon:
         self.gateway: Gateway | HostedGateway
         if cfg.actor.gateway_host == "process":
             self.gateway = HostedGateway(self.client, cfg.model, episode_settings(cfg), model_name=model_name,
-                                         hosts=cfg.actor.gateway_hosts)
+                                         hosts=cfg.actor.gateway_hosts, history=cfg.actor.gateway_history)
         else:
-            self.gateway = Gateway(self.client, None, episode_settings(cfg), model_name=model_name)
+            self.gateway = Gateway(self.client, None, episode_settings(cfg), model_name=model_name,
+                                   history=cfg.actor.gateway_history)
         self._gateway_site = contextlib.AsyncExitStack()
         self.versions = VersionSource(0)
         self.cubes: dict[str, Cube] = {}

@@ -81,6 +81,7 @@ class ChatRenderer:
         self._parser = parser
         self.eos_id = tokenizer.eos_token_id
         self._special_ids = frozenset(tokenizer.all_special_ids)
+        self.vocab_size = len(tokenizer)  # ids an agent may send as its prompt (completions' token prompt)
         eos = tokenizer.eos_token
         self._closed = closed = self._render(self._BASE, None, add_generation_prompt=False)
         # Template text between the assistant's end-of-turn token and the next
@@ -153,9 +154,12 @@ class ChatRenderer:
         vocabularies make call markers special), the token it stopped on
         dropped (the eos, or another special stop token such as Llama 3's
         ``<|eom_id|>`` after a call)."""
-        if ids and (ids[-1] == self.eos_id or (finish_reason == "stop" and ids[-1] in self._special_ids)):
-            ids = ids[:-1]
-        return self.decode(ids)
+        return self.decode(ids[:-1] if self.ends_on_stop(ids, finish_reason) else ids)
+
+    def ends_on_stop(self, ids: list[int], finish_reason: str = "") -> bool:
+        """Whether the completion's last token is the stop token that
+        ``completion_text`` drops."""
+        return bool(ids) and (ids[-1] == self.eos_id or (finish_reason == "stop" and ids[-1] in self._special_ids))
 
 
 def make_renderer(tokenizer, model: ModelConfig) -> ChatRenderer:

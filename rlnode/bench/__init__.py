@@ -147,7 +147,7 @@ def _gateway(cfg: Config, args, log) -> int:
     res = aio.run(bench_gateway(cfg, args.concurrency, args.requests, args.max_tokens, args.rounds, log,
                                 engine=args.engine, isolation=args.agent_isolation,
                                 gateway_host=None if args.gateway_host == "config" else args.gateway_host,
-                                gateway_hosts=args.gateway_hosts))
+                                gateway_hosts=args.gateway_hosts, protocol=args.protocol))
     if args.json:
         print(msgspec.json.encode(res).decode())
     else:

@@ -4,11 +4,16 @@ The same game played two ways on one engine, in one run:
 
   (a) native:  rlnode's own agent loop (``run_episode``) calling the
       LLMClient in-process;
-  (b) gateway: the ``openai``-SDK agent of ``examples/guess_openai_sdk.py``
-      (``play``, run by ``run_agent_episode``), which reaches the policy over
-      HTTP through the OpenAI-compatible gateway: JSON requests, history
-      matching, the template tokens of new messages, one openai client and
-      one httpx client per episode, each guess posted to the env URL.
+  (b) gateway: an example agent (``play``, run by ``run_agent_episode``)
+      that reaches the policy over HTTP through the gateway: JSON requests,
+      history matching, the template tokens of new messages, one SDK client
+      and one httpx client per episode, each guess posted to the env URL.
+      ``--protocol`` picks the API it speaks: ``chat`` (the ``openai`` SDK,
+      ``examples/guess_openai_sdk.py``, the default), ``responses`` (the
+      ``openai`` SDK's Responses API, ``guess_responses_sdk.py``),
+      ``messages`` (the ``anthropic`` SDK, ``guess_anthropic_sdk.py``) or
+      ``completions`` (a raw transcript, ``guess_completions.py``; the
+      native loop then offers no tool either).
 
 Same model, cube (``guessing``: the config's guessing options, else the
 demo's), task ids, sampling and episode concurrency. The native task
@@ -69,7 +74,12 @@ from rlnode.config import Config, ModelConfig
 from rlnode.cubes.base import CubeTask, ToolSpec
 from rlnode.cubes.registry import make_cube
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "guess_openai_sdk.py"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+EXAMPLE = EXAMPLES / "guess_openai_sdk.py"
+# The example agent that plays the game through each API the gateway speaks
+# (--protocol): the same game and tool, the API its SDK speaks.
+PROTOCOL_AGENTS = {"chat": "guess_openai_sdk.py", "responses": "guess_responses_sdk.py",
+                   "messages": "guess_anthropic_sdk.py", "completions": "guess_completions.py"}
 DEMO_GAME = {"max_number": 5, "max_turns": 3, "feedback": "range"}
 MODES = ("native", "gateway")
 ENGINES = ("vllm", "null")
@@ -103,6 +113,7 @@ class GatewayBenchResult(msgspec.Struct):
     gateway_host: str = "inline"  # actor.gateway_host: "inline" | "process"
     host_ms_per_call: float = 0.0  # the gateway host processes, CPU per gateway call (process only)
     gateway_hosts: int = 0  # actor.gateway_hosts (process only)
+    protocol: str = "chat"  # the API the agent speaks (PROTOCOL_AGENTS)
 
 
 class RoundStats(msgspec.Struct, array_like=True):
@@ -218,18 +229,22 @@ async def play_round(play_one: Callable[[int], Awaitable[EpisodeResult]], episod
 async def compare(client: LLMClient, renderer: ChatRenderer, settings: EpisodeSettings, game: dict, seed: int,
                   episodes: int, concurrency: int, rounds: int, log=print, engine: str = "vllm",
                   agent_workers: int = 2, isolation: str = "bwrap", gateway_host: str = "inline",
-                  model: ModelConfig | None = None, gateway_hosts: int = 1) -> GatewayBenchResult:
+                  model: ModelConfig | None = None, gateway_hosts: int = 1,
+                  protocol: str = "chat") -> GatewayBenchResult:
     """Both modes on an engine the caller started (tests reuse theirs).
     ``engine``: what ``client`` runs on, "vllm" (its processes are this
     process's children) or "null" (no processes: engine CPU is 0).
     ``gateway_host``: "inline" or "process" (then ``model``: the host's
     tokenizer, template and parsers, those ``renderer`` was made with;
-    ``gateway_hosts`` of them)."""
+    ``gateway_hosts`` of them). ``protocol``: the API of the agent played
+    through the gateway; the native loop offers the same tool (none for
+    "completions", whose agent writes a raw transcript)."""
     example = load_example()
-    tools = [ToolSpec(**example.GUESS_TOOL["function"])]
+    tools = [] if protocol == "completions" else [ToolSpec(**example.GUESS_TOOL["function"])]
+    agent_path = EXAMPLES / PROTOCOL_AGENTS[protocol]
     engine_pids = _engine_pids if engine == "vllm" else (lambda: [])
     native_cube = make_cube("bench", "guessing", game, seed)
-    agent_cube = make_cube("bench", "openai-agent", {"agent": f"{EXAMPLE}:play", "workers": agent_workers,
+    agent_cube = make_cube("bench", "openai-agent", {"agent": f"{agent_path}:play", "workers": agent_workers,
                                                      "env": {"kind": "guessing", "options": game},
                                                      "isolation": isolation}, seed)
     await native_cube.start(), await agent_cube.start()
@@ -275,6 +290,7 @@ async def compare(client: LLMClient, renderer: ChatRenderer, settings: EpisodeSe
         await native_cube.close(), await agent_cube.close()
     res = _result(per_mode, gateway.stats.history_resets, episodes, concurrency, settings, rounds, game, engine)
     res.gateway_calls = gateway.stats.calls
+    res.protocol = protocol
     res.gateway_host = gateway_host
     res.gateway_hosts = gateway_hosts if gateway_host == "process" else 0
     res.host_ms_per_call = statistics.median(1e3 * s.host_cpu_s / s.calls for s in per_mode["gateway"])
@@ -316,7 +332,8 @@ def null_engine(renderer: ChatRenderer, game: dict) -> NullEngine:
 
 async def bench_gateway(cfg: Config, concurrency: int, episodes: int, max_tokens: int, rounds: int,
                         log=print, engine: str = "vllm", isolation: str = "bwrap",
-                        gateway_host: str | None = None, gateway_hosts: int = 0) -> GatewayBenchResult:
+                        gateway_host: str | None = None, gateway_hosts: int = 0,
+                        protocol: str = "chat") -> GatewayBenchResult:
     """``engine``: "vllm" (the configured engine) or "null" (``NullEngine``:
     the gateway's own capacity). ``isolation``: the agent cube's.
     ``gateway_host``: "inline" | "process"; None: ``actor.gateway_host``.
@@ -338,7 +355,8 @@ async def bench_gateway(cfg: Config, concurrency: int, episodes: int, max_tokens
         client = LLMClient([eng], AdmissionRouter(1, concurrency))
         return await compare(client, renderer, settings, game, cfg.run.seed, episodes, concurrency, rounds, log,
                              engine=engine, isolation=isolation, gateway_host=gateway_host or cfg.actor.gateway_host,
-                             model=cfg.model, gateway_hosts=gateway_hosts or cfg.actor.gateway_hosts)
+                             model=cfg.model, gateway_hosts=gateway_hosts or cfg.actor.gateway_hosts,
+                             protocol=protocol)
     finally:
         await eng.shutdown()
 
@@ -352,7 +370,7 @@ def print_table(res: GatewayBenchResult) -> None:
     print(f"{'path':<36}{'calls/s':>10}{'tokens/s':>10}{'episodes/s':>12}{'calls/ep':>10}{'vs native':>11}")
     rows = [("native agent loop (run_episode)", res.native_calls_per_s, res.native_tokens_per_s,
              res.native_episodes_per_s, res.native_calls_per_episode, 1.0),
-            ("openai-SDK agent via the gateway", res.calls_per_s, res.tokens_per_s, res.episodes_per_s,
+            (f"{res.protocol} agent via the gateway", res.calls_per_s, res.tokens_per_s, res.episodes_per_s,
              res.calls_per_episode, res.tokens_per_s / res.native_tokens_per_s)]
     for name, cps, tps, eps, calls, rel in rows:
         print(f"{name:<36}{cps:>10.0f}{tps:>10.0f}{eps:>12.2f}{calls:>10.2f}{rel:>11.3f}")

@@ -234,4 +234,17 @@ class ActorConfig(Section):
     # agents that run on other machines; each episode's routes still need
     # its own key, and the start logs the exposure (gateway.exposed).
     gateway_bind: str = "127.0.0.1"
+    # How the gateway builds the prompt of an agent's next call from the
+    # conversation it re-sends (docs/cubes.md, "Histories the template
+    # rewrites"). "extend": the last prompt + the tokens the engine sampled
+    # + the template tokens of the new messages only, so each prompt extends
+    # the last one token for token and the model sees its own earlier turns
+    # as it wrote them (reasoning included). "render": the chat template's
+    # rendering of the whole conversation, as vllm serve builds it: where
+    # the template rewrites earlier turns (Qwen3 and DeepSeek-R1 drop their
+    # reasoning) the model trains on the context it will see when deployed,
+    # and such a turn does not extend the last one. Either way each call is
+    # one sample of exactly the tokens the engine saw and sampled;
+    # metrics.jsonl counts the turns that extend (turns_extending_fraction).
+    gateway_history: Literal["extend", "render"] = "extend"
 

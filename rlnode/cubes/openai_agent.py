@@ -10,8 +10,9 @@ completion it asks for is a training sample. Two ways to run it:
   daemon's event loop, and killed with its worker when a cancelled episode
   does not end.
 * ``command = ["python", "my_agent.py"]``: a process per episode, with
-  ``OPENAI_BASE_URL``, ``OPENAI_API_KEY``, ``RLNODE_ENV_URL`` and
-  ``RLNODE_MODEL`` in its environment and the task as JSON on stdin. A
+  ``OPENAI_BASE_URL``, ``OPENAI_API_KEY``, ``ANTHROPIC_BASE_URL``,
+  ``ANTHROPIC_API_KEY``, ``RLNODE_ENV_URL`` and ``RLNODE_MODEL`` in its
+  environment (the gateway speaks OpenAI's and Anthropic's APIs) and the task as JSON on stdin. A
   non-zero exit fails the episode. The process runs in its own process group
   and the whole group is killed at the timeout or when the episode is
   cancelled. Its environment is an allowlist: ``PATH``, locale, ``HOME``,
@@ -265,14 +266,23 @@ def agent_env(opts: OpenAIAgentOptions, endpoint: AgentEndpoint, environ: dict[s
     """A command agent's environment (the reward key is not in it: it goes on
     stdin, which the agent's tools do not inherit)."""
     return {**allowed_env(opts, environ), "OPENAI_BASE_URL": endpoint.base_url, "OPENAI_API_KEY": endpoint.api_key,
+            # The same episode's routes for the anthropic SDK (its base URL
+            # has no /v1: it appends /v1/messages itself).
+            "ANTHROPIC_BASE_URL": anthropic_base(endpoint.base_url), "ANTHROPIC_API_KEY": endpoint.api_key,
             "RLNODE_ENV_URL": endpoint.env_url, "RLNODE_MODEL": endpoint.model}
+
+
+def anthropic_base(base_url: str) -> str:
+    """The anthropic SDK's base URL for an episode's OpenAI base URL."""
+    return base_url.removesuffix("/").removesuffix("/v1")
 
 
 async def run_command(opts: OpenAIAgentOptions, task: dict[str, Any], endpoint: AgentEndpoint) -> None:
     env = agent_env(opts, endpoint)
     if opts.isolation == "none":
         return await _run(opts.command, env, opts.cwd or None, task)
-    env.update(OPENAI_BASE_URL=agent_sandbox.inside_url(endpoint.base_url),
+    inside = agent_sandbox.inside_url(endpoint.base_url)
+    env.update(OPENAI_BASE_URL=inside, ANTHROPIC_BASE_URL=anthropic_base(inside),
                RLNODE_ENV_URL=agent_sandbox.inside_url(endpoint.env_url))
     async with agent_sandbox.GatewayRelay(endpoint.agent_socket, opts.limits.connections) as relay:
         argv = agent_sandbox.sandboxed_argv(opts.command, env, relay, opts.cwd, opts.ro_paths, opts.limits)

@@ -68,6 +68,37 @@ class Batch:
     # This step's entropy coefficient (adaptive control: the daemon's);
     # None = trainer.loss.entropy_coef.
     entropy_coef: float | None = None
+    # Consecutive LLM calls of one episode (call k, k+1) in the consumed
+    # groups, and those whose prompt k+1 begins with prompt k + completion
+    # k token for token: a chat template that rewrites earlier turns (drops
+    # their reasoning) or an agent that edits its history makes the rest.
+    turn_pairs: int = 0
+    turns_extending: int = 0
+
+    def turn_figures(self) -> dict[str, float]:
+        """metrics.jsonl's figures of multi-turn episodes (the fraction only
+        where there is a pair to take it over)."""
+        out: dict[str, float] = {"turn_pairs": self.turn_pairs}
+        if self.turn_pairs:
+            out["turns_extending_fraction"] = self.turns_extending / self.turn_pairs
+        return out
+
+
+def count_extending_turns(samples: list[TrainingSample]) -> tuple[int, int]:
+    """(pairs of consecutive calls of one episode, of which extending): see
+    ``Batch.turn_pairs``. Compared as the raw int32 bytes."""
+    by_episode: dict[str, list[TrainingSample]] = {}
+    for s in samples:
+        by_episode.setdefault(s.episode_id, []).append(s)
+    pairs = extending = 0
+    for calls in by_episode.values():
+        calls.sort(key=lambda s: s.step_index)
+        for prev, nxt in zip(calls, calls[1:]):
+            if nxt.step_index != prev.step_index + 1:
+                continue  # a call between them was not trained (its reply never reached the agent)
+            pairs += 1
+            extending += nxt.prompt_ids.startswith(prev.prompt_ids + prev.completion_ids)
+    return pairs, extending
 
 
 @dataclass
@@ -203,6 +234,9 @@ def build_batch(groups: list[GroupDelivery], version: int, max_lag: int, adv_cfg
         solved = sum(bool(e.success) for e in g.episodes)
         batch.groups_all_failed += solved == 0
         batch.groups_all_solved += solved == len(g.episodes)
+        pairs, extending = count_extending_turns(list(g.samples))
+        batch.turn_pairs += pairs
+        batch.turns_extending += extending
         if equal[gi]:
             batch.zero_signal_groups += 1
             counters.groups_zero_signal += 1

@@ -299,6 +299,7 @@ class TrainerDaemon:
             # and the smallest lag trained: < 0 would be a lost branch's sample.
             "dropped_foreign": batch.dropped_foreign, "lag_min": min(batch.lags, default=0),
             "groups_all_failed": batch.groups_all_failed, "groups_all_solved": batch.groups_all_solved,
+            **batch.turn_figures(),  # multi-turn episodes: how many calls extend the one before
             "loss": m.loss, "grad_norm": m.grad_norm, "lr": m.lr,
             "logprob_diff_mean": m.logprob_diff_mean, "logprob_diff_on_policy_max": m.on_policy_diff_max,
             "train_s": m.step_s,

@@ -1,11 +1,14 @@
-"""The OpenAI-compatible gateway: agents rlnode does not run itself.
+"""The gateway: agents rlnode does not run itself.
 
-An agent written against the OpenAI API (the ``openai`` SDK, the Agents SDK,
-a verifiers environment, LangChain, a shell script with curl) gets, per
-episode, a base URL ``http://HOST:PORT/episodes/{token}/v1`` and an API key.
-Each ``POST .../chat/completions`` is one LLM call of that episode: it takes
-one AdmissionRouter lease and one Engine request, like a native turn, and
-becomes one ``TrainingSample`` when the episode ends.
+An agent written against the OpenAI API (the ``openai`` SDK on Chat
+Completions or Responses, the Agents SDK, a verifiers environment,
+LangChain, a shell script with curl) or Anthropic's (the ``anthropic`` SDK)
+gets, per episode, a base URL ``http://HOST:PORT/episodes/{token}/v1`` and
+an API key. Each ``POST .../chat/completions``, ``.../responses``,
+``.../messages`` or ``.../completions`` is one LLM call of that episode
+(``protocols/``: one module per API over one internal call and reply): it
+takes one AdmissionRouter lease and one Engine request, like a native turn,
+and becomes one ``TrainingSample`` when the episode ends.
 
 Token parity. The engine sees token ids, never re-tokenised text. When the
 agent re-sends the conversation (as chat agents do), the gateway compares it
@@ -21,7 +24,7 @@ exact for what the engine saw, but it no longer extends the previous one.
 The token is unguessable (``secrets``), lives only while its episode runs,
 and the API key travels in the Authorization header (paths end up in access
 logs; headers do not). Unknown or finished episodes get 404, a wrong key
-401, bad requests 400, all in OpenAI's error shape.
+401, bad requests 400, each in its API's error shape.
 
 The environment side (``/episodes/{token}/env``): ``GET tools``, ``POST
 step`` (a tool call or a message, answered by the cube task), ``POST reward``
@@ -55,22 +58,22 @@ channel between them, ``protocol.py``): the host serves HTTP and does the
 text work, the daemon keeps the lease, the engine call and the record the
 samples are made from.
 
-Modules: ``api.py`` (request, errors, messages, response bodies),
+Modules: ``protocols/`` (each API's requests, replies, streams and
+errors), ``api.py`` (the error, messages in the template's form),
 ``session.py`` (an episode's keys, served calls and history matching),
 ``stream.py`` (server-sent events), ``server.py`` (``Gateway``: routes and
 handlers), ``protocol.py``, ``host.py`` and ``hosted.py`` (the host
 process, above).
 """
 
-from rlnode.actor.gateway.api import (
-    MAX_REQUEST_BYTES, TOKENIZE_INLINE_CHARS, ChatRequest, GatewayError, template_message,
-)
+from rlnode.actor.gateway.api import MAX_REQUEST_BYTES, TOKENIZE_INLINE_CHARS, GatewayError, template_message
+from rlnode.actor.gateway.protocols import PROTOCOLS, ChatRequest
 from rlnode.actor.gateway.hosted import GatewayHostLost, HostedGateway, make_gateway
 from rlnode.actor.gateway.server import Gateway
 from rlnode.actor.gateway.session import GatewaySession, GatewayStats, ServedCall
 
 __all__ = [
     "MAX_REQUEST_BYTES", "TOKENIZE_INLINE_CHARS", "ChatRequest", "Gateway", "GatewayError", "GatewayHostLost",
-    "HostedGateway", "make_gateway",
+    "HostedGateway", "PROTOCOLS", "make_gateway",
     "GatewaySession", "GatewayStats", "ServedCall", "template_message",
 ]

@@ -1,6 +1,6 @@
-"""The OpenAI API shapes the gateway speaks: the request it honours, its
-errors, messages as the chat template renders them, and the response bodies
-(tool calls and reasoning as vLLM's parsers read them, ``parsing.py``). No
+"""What every API the gateway speaks shares (``protocols/`` has each API's
+own): its error, messages as the chat template renders them (the form
+re-sent histories are compared in), the environment routes' bodies. No
 state and no engine here."""
 
 from __future__ import annotations
@@ -11,8 +11,6 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from rlnode.actor.generation import Generation
-from rlnode.cubes.base import ToolCall
 
 # Long agent histories (tool outputs, documents) outgrow aiohttp's 1 MiB default.
 MAX_REQUEST_BYTES = 64 * 2**20
@@ -32,27 +30,6 @@ class GatewayError(Exception):
     def response(self) -> web.Response:
         body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
         return web.json_response(body, status=self.status)
-
-
-class ChatRequest(msgspec.Struct):
-    """The fields of ``POST /chat/completions`` the gateway honours; unknown
-    fields (``store``, ``metadata``, ``user``, ...) are ignored."""
-
-    messages: list[dict[str, Any]]
-    model: str = ""
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    n: int | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stream: bool | None = False
-    stream_options: dict[str, Any] | None = None
-    logprobs: bool | None = None
 
 
 # -- messages ------------------------------------------------------------------
@@ -122,35 +99,14 @@ class EnvReward(msgspec.Struct):
 
 
 async def read_body(request: web.Request, cls: type):
-    raw = await request.read()
+    return decode_body(await request.read(), cls)
+
+
+def decode_body(raw: bytes, cls: type):
+    """A JSON body as ``cls`` (GatewayError 400 naming what is wrong)."""
     try:
         return msgspec.json.decode(raw, type=cls)
     except msgspec.ValidationError as e:
         raise GatewayError(400, f"invalid request: {e}") from e
     except msgspec.DecodeError as e:
         raise GatewayError(400, f"request body is not JSON: {e}") from e
-
-
-def openai_message(reply: dict[str, Any], calls: list[ToolCall], step: int,
-                   reasoning: str | None = None) -> dict[str, Any]:
-    msg: dict[str, Any] = {"role": "assistant", "content": reply["content"] if reply["content"] or not calls else None}
-    if reasoning is not None:
-        msg.update(reasoning_delta(reasoning))
-    if calls:
-        msg["tool_calls"] = [{"id": f"call_{step}_{i}", "type": "function",
-                              "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
-                             for i, c in enumerate(calls)]
-    return msg
-
-
-def reasoning_delta(reasoning: str) -> dict[str, str]:
-    """The reasoning fields of a message or chunk: ``reasoning`` is what
-    ``vllm serve`` 0.26-0.32 returns, ``reasoning_content`` the older name
-    that DeepSeek's API and many clients read."""
-    return {"reasoning": reasoning, "reasoning_content": reasoning}
-
-
-def usage(prompt: list[int], gen: Generation) -> dict[str, int]:
-    n = len(gen.completion.token_ids)
-    return {"prompt_tokens": len(prompt), "completion_tokens": n, "total_tokens": len(prompt) + n}
-

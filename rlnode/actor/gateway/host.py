@@ -66,8 +66,8 @@ class _Pending:
 class HostGateway(Gateway):
     """``Gateway`` whose engine is the daemon, across the channel."""
 
-    def __init__(self, renderer, model_name: str, chan: Channel):
-        super().__init__(None, renderer, None, model_name)
+    def __init__(self, renderer, model_name: str, chan: Channel, history: str = "extend"):
+        super().__init__(None, renderer, None, model_name, history)
         self.chan = chan
         self._ids = itertools.count()
         self._pending: dict[int, _Pending] = {}
@@ -99,9 +99,9 @@ class HostGateway(Gateway):
             raise GatewayError(404, "the episode ended during the call", code="episode_not_found")
         return _Generation(Completion(ids, [], finish))
 
-    def _record(self, s, messages, tools, prompt, gen, step, version, temperature, reset, reply) -> None:
+    def _record(self, s, call, prompt, gen, step, version, temperature, reset, answer) -> None:
         # The daemon keeps the calls (its own record); the host the history.
-        s.remember(step, messages, tools, prompt, gen.completion.token_ids, reply)
+        s.remember(step, call, prompt, gen.completion.token_ids, answer.reply)
 
     def _unsent(self, s: GatewaySession, step: int) -> None:
         # The history here; the call's record (and the count) in the daemon.
@@ -252,7 +252,7 @@ async def serve(chan_fd: int, tcp_fd: int, unix_fd: int) -> int:
         await asyncio.sleep(0)
         chan.close()
         return 1
-    gw = HostGateway(renderer, m.model_name, chan)
+    gw = HostGateway(renderer, m.model_name, chan, m.history)
     app = web.Application(client_max_size=MAX_REQUEST_BYTES)
     gw.add_routes(app)
     # handler_cancellation: an agent that hangs up mid-call cancels its

@@ -62,14 +62,15 @@ _HOST_FIELDS = ("streamed", "errors", "unauthorized", "temperature_floored", "re
 
 
 def make_gateway(where: str, client: LLMClient, renderer, model: ModelConfig, settings: EpisodeSettings,
-                 model_name: str = "rlnode") -> "Gateway | HostedGateway":
+                 model_name: str = "rlnode", history: str = "extend") -> "Gateway | HostedGateway":
     """The gateway ``actor.gateway_host`` asks for: "inline" (on this loop,
     with ``renderer``) or "process" (a host process, which builds the same
-    renderer from ``model``'s tokenizer, template and parsers)."""
+    renderer from ``model``'s tokenizer, template and parsers).
+    ``history``: actor.gateway_history."""
     if where == "process":
-        return HostedGateway(client, model, settings, model_name)
+        return HostedGateway(client, model, settings, model_name, history=history)
     if where == "inline":
-        return Gateway(client, renderer, settings, model_name)
+        return Gateway(client, renderer, settings, model_name, history=history)
     raise ValueError(f"actor.gateway_host must be inline or process, not {where!r}")
 
 
@@ -150,8 +151,9 @@ class HostedGateway:
     ``agent_socket``) with the HTTP side in ``hosts`` host processes."""
 
     def __init__(self, client: LLMClient, model: ModelConfig, settings: EpisodeSettings, model_name: str = "rlnode",
-                 hosts: int = 1):
+                 hosts: int = 1, history: str = "extend"):
         self.client, self.model, self.settings, self.model_name = client, model, settings, model_name
+        self.history = history  # actor.gateway_history, the hosts'
         self.hosts = hosts
         self.url = ""  # the first host's (each episode's endpoint names its own host's)
         self.agent_socket = ""
@@ -261,7 +263,7 @@ class HostedGateway:
         host = _Host(slot, proc, chan, lost)
         m = self.model
         chan.send(HostStart(m.tokenizer or m.path, m.chat_template, m.tool_parser, m.reasoning_parser,
-                            self.model_name))
+                            self.model_name, self.history))
         try:
             await asyncio.wait([ready, lost], timeout=START_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED)
             if not ready.done():

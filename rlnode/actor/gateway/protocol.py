@@ -51,6 +51,7 @@ class HostStart(_Msg):
     tool_parser: str = "hermes"
     reasoning_parser: str = ""
     model_name: str = "rlnode"
+    history: str = "extend"  # actor.gateway_history
 
 
 class WireSettings(msgspec.Struct, array_like=True, omit_defaults=True):

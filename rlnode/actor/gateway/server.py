@@ -1,7 +1,8 @@
 """``Gateway``: the routes, per-episode sessions and the request handlers:
-validate a chat request, build its prompt in tokens, take one leased engine
-call, answer (or stream, ``stream.py``); the environment routes answer
-from the episode's cube task."""
+read a call through its API's protocol (``protocols/``), build its prompt in
+tokens, take one leased engine call, answer in that API's shape (or stream,
+``stream.py``); the environment routes answer from the episode's cube
+task."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import os
 import shutil
 import tempfile
 import time
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import msgspec
 from aiohttp import web
@@ -20,9 +21,9 @@ from aiohttp import web
 from rlnode.actor.engine import EngineError, SamplingSettings, sweep_dead_dirs
 from rlnode.actor.episode import ChatRenderer, EpisodeSettings, request_seed
 from rlnode.actor.gateway.api import (
-    MAX_REQUEST_BYTES, TOKENIZE_INLINE_CHARS, ChatRequest, EnvReward, EnvStep, GatewayError, openai_message,
-    read_body, template_message, usage,
+    MAX_REQUEST_BYTES, TOKENIZE_INLINE_CHARS, EnvReward, EnvStep, GatewayError, read_body,
 )
+from rlnode.actor.gateway.protocols import PROTOCOLS, Answer, Call, Protocol
 from rlnode.actor.gateway.session import GatewaySession, GatewayStats, ServedCall
 from rlnode.actor.gateway.stream import stream_completion
 from rlnode.actor.generation import Generation, LLMClient
@@ -60,9 +61,10 @@ def make_agents_dir() -> str:
 
 class Gateway:
     def __init__(self, client: LLMClient, renderer: ChatRenderer, settings: EpisodeSettings,
-                 model_name: str = "rlnode"):
+                 model_name: str = "rlnode", history: str = "extend"):
         self.client, self.renderer, self.settings = client, renderer, settings
         self.model_name = model_name
+        self.history = history  # actor.gateway_history: "extend" | "render"
         self.url = ""  # http://HOST:PORT of whoever serves the routes (set by serve() or the daemon)
         # A unix socket serving the episode routes and nothing else: what
         # sandboxed agents reach, through their relay (rlnode/cubes/
@@ -82,10 +84,16 @@ class Gateway:
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_get("/episodes/{token}/v1/models", self._models)
-        app.router.add_post("/episodes/{token}/v1/chat/completions", self._chat)
+        for proto in PROTOCOLS:
+            app.router.add_post(f"/episodes/{{token}}{proto.route}", self._handler(proto))
         app.router.add_get("/episodes/{token}/env/tools", self._env_tools)
         app.router.add_post("/episodes/{token}/env/step", self._env_step)
         app.router.add_post("/episodes/{token}/env/reward", self._env_reward)
+
+    def _handler(self, proto: Protocol) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+        async def handle(request: web.Request) -> web.StreamResponse:
+            return await self._serve_call(request, proto)
+        return handle
 
     @contextlib.asynccontextmanager
     async def serve(self, host: str = "127.0.0.1", port: int = 0) -> AsyncIterator["Gateway"]:
@@ -167,21 +175,22 @@ class Gateway:
         return web.json_response({"object": "list", "data": [
             {"id": self.model_name, "object": "model", "created": 0, "owned_by": "rlnode"}]})
 
-    async def _chat(self, request: web.Request) -> web.StreamResponse:
+    async def _serve_call(self, request: web.Request, proto: Protocol) -> web.StreamResponse:
+        """One LLM call through ``proto``'s route, answered (errors too) in
+        its API's shape."""
         try:
             s = self._session(request)
-            req = await read_body(request, ChatRequest)
-            return await self._complete(request, s, req)
+            call = proto.parse(await request.read(), s)
+            return await self._complete(request, s, call, proto)
         except GatewayError as e:
             self.stats.errors += 1
-            return e.response()
+            return proto.error_response(e)
 
-    async def _complete(self, request: web.Request, s: GatewaySession, req: ChatRequest) -> web.StreamResponse:
+    async def _complete(self, request: web.Request, s: GatewaySession, call: Call,
+                        proto: Protocol) -> web.StreamResponse:
         settings = s.settings
         base = settings.sampling
-        temperature, tool_choice = self._knobs(s, req)
-        if not req.messages:
-            raise GatewayError(400, "messages must not be empty", param="messages")
+        temperature = self._temperature(s, call)
         # The turn limit first: a refused call costs no template work. The
         # turn is checked and taken with no await between: concurrent calls
         # of one episode (tokenized in threads) cannot all pass the check.
@@ -191,81 +200,104 @@ class Gateway:
                                code="max_turns_exceeded")
         step = s.next_step
         s.next_step += 1
-        messages = [template_message(m, i) for i, m in enumerate(req.messages)]
-        tools = req.tools or None
-        tools_on = bool(tools) and tool_choice != "none"
-        match = s.extends(messages, tools)
-        new = messages if match is None else messages[match.covered:]
-        new_chars = sum(len(m["content"]) for m in new)
-        base_len = 0 if match is None else len(match.ids)
-        # Even at the tokenizer's longest token, this much text cannot fit:
-        # refused without tokenizing (a 64 MiB body would hold the loop).
-        if base_len + new_chars // self.renderer.max_token_chars > settings.max_model_len:
-            s.terminated = s.terminated or "context_limit"
-            raise GatewayError(400, f"{new_chars} characters of new messages cannot fit the {settings.max_model_len}"
-                                    "-token context", code="context_length_exceeded", param="messages")
-        try:
-            if new_chars > TOKENIZE_INLINE_CHARS:  # long documents: tokenized off the event loop
-                prompt = await asyncio.to_thread(s.prompt_for, messages, tools, match)
-            else:
-                prompt = s.prompt_for(messages, tools, match)
-        except (ValueError, TypeError) as e:  # the template rejected the conversation
-            raise GatewayError(400, f"chat template: {e}", param="messages") from e
-        reset = match is None and s.has_history
+        prompt, reset = await self._prompt(s, call)
         room = settings.max_model_len - len(prompt)
         if room < settings.min_completion_tokens:
             s.terminated = s.terminated or "context_limit"
             raise GatewayError(400, f"prompt of {len(prompt)} tokens leaves no room in the {settings.max_model_len}"
                                     "-token context", code="context_length_exceeded", param="messages")
-        want = req.max_completion_tokens or req.max_tokens or base.max_tokens
+        want = call.max_tokens or base.max_tokens
         # The episode's seed per call (an agent's own seed is mixed in, never
         # used alone: an agent that sends one fixed seed would otherwise make
         # every attempt of its group sample the same tokens).
-        seed = req.seed if settings.seed is None else request_seed(settings.seed, step, req.seed)
+        seed = call.seed if settings.seed is None else request_seed(settings.seed, step, call.seed)
         sampling = msgspec.structs.replace(base, temperature=temperature, seed=seed,
                                            max_tokens=max(1, min(want, base.max_tokens, room)))
         s.history_resets += reset
         self.stats.history_resets += reset
         version = s.policy_version()
-        if req.stream:
-            return await stream_completion(self, request, s, req, messages, tools, tools_on, prompt, sampling, step,
-                                           version, reset)
-        gen = await self._generate(s, prompt, sampling, step=step, reset=reset, agent_seed=req.seed)
+        answer_id, created = f"{proto.id_prefix}{s.episode_id}-{step}", int(time.time())
+        if call.stream:
+            return await stream_completion(self, request, s, call, proto, prompt, sampling, step, version, reset,
+                                           answer_id, created)
+        gen = await self._generate(s, prompt, sampling, step=step, reset=reset, agent_seed=call.seed)
         delivered = False
         try:
             if agent_gone(request):  # it hung up during the call (a client timeout, then maybe a retry)
                 raise ConnectionResetError("the agent hung up before the reply")
-            reply, finish, calls, reasoning = self._reply(gen, tools if tools_on else None, prompt)
-            self._record(s, messages, tools, prompt, gen, step, version, temperature, reset, reply)
-            body = {
-                "id": f"chatcmpl-{s.episode_id}-{step}", "object": "chat.completion", "created": int(time.time()),
-                "model": self.model_name,
-                "choices": [{"index": 0, "message": openai_message(reply, calls, step, reasoning),
-                             "finish_reason": finish, "logprobs": None}],
-                "usage": usage(prompt, gen),
-            }
+            answer = self._answer_of(gen, call, prompt, step, answer_id, created)
+            self._record(s, call, prompt, gen, step, version, temperature, reset, answer)
             # Written here, not by aiohttp after the handler returns: a
             # write that fails must drop the call's sample.
-            resp = web.json_response(body)
+            resp = web.json_response(proto.body(answer))
             await resp.prepare(request)
             await resp.write_eof()
             delivered = True
+            proto.answered(answer, s)
             return resp
         finally:
             if not delivered:
                 self._unsent(s, step)
 
-    def _knobs(self, s: GatewaySession, req: ChatRequest) -> tuple[float, str]:
-        """The call's knobs checked against the run's (GatewayError for one
-        the run refuses): the temperature it samples at, its tool_choice."""
+    async def _prompt(self, s: GatewaySession, call: Call) -> tuple[list[int], bool]:
+        """The call's prompt in token ids, and whether it is a history reset
+        (it does not extend the episode's last prompt + completion)."""
+        settings = s.settings
+        if call.prompt_ids is not None:  # the agent's own ids: the engine gets exactly these
+            vocab = self.renderer.vocab_size
+            bad = next((t for t in call.prompt_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+            if bad is not None:
+                raise GatewayError(400, f"prompt token id {bad!r} is not in the model's vocabulary (0..{vocab - 1})",
+                                   param="prompt")
+            if len(call.prompt_ids) > settings.max_model_len:
+                s.terminated = s.terminated or "context_limit"
+                raise GatewayError(400, f"prompt of {len(call.prompt_ids)} tokens does not fit the "
+                                        f"{settings.max_model_len}-token context", code="context_length_exceeded",
+                                   param="prompt")
+            return list(call.prompt_ids), s.has_history and not s.extends_ids(call.prompt_ids)
+        if call.text is not None:
+            match = s.extends_text(call.text)
+            new_chars = len(call.text) - (0 if match is None else match.covered)
+            base_len = 0 if match is None else len(match.ids)
+            self._check_fits(s, base_len, new_chars, "prompt")
+            rest = call.text if match is None else call.text[match.covered:]
+            ids = (await asyncio.to_thread(self.renderer.encode, rest) if new_chars > TOKENIZE_INLINE_CHARS
+                   else self.renderer.encode(rest))
+            return ([] if match is None else match.ids) + ids, match is None and s.has_history
+        messages, tools = call.messages, call.tools
+        if self.history == "render":  # the template's rendering, as vllm serve builds it
+            self._check_fits(s, 0, sum(len(m["content"]) for m in messages), "messages")
+            try:
+                prompt = await asyncio.to_thread(s.prompt_for, messages, tools, None)
+            except (ValueError, TypeError) as e:
+                raise GatewayError(400, f"chat template: {e}", param="messages") from e
+            return prompt, s.has_history and not s.extends_ids(prompt)
+        match = s.extends(messages, tools)
+        new = messages if match is None else messages[match.covered:]
+        self._check_fits(s, 0 if match is None else len(match.ids), sum(len(m["content"]) for m in new), "messages")
+        try:
+            if sum(len(m["content"]) for m in new) > TOKENIZE_INLINE_CHARS:  # long documents: off the event loop
+                prompt = await asyncio.to_thread(s.prompt_for, messages, tools, match)
+            else:
+                prompt = s.prompt_for(messages, tools, match)
+        except (ValueError, TypeError) as e:  # the template rejected the conversation
+            raise GatewayError(400, f"chat template: {e}", param="messages") from e
+        return prompt, match is None and s.has_history
+
+    def _check_fits(self, s: GatewaySession, base_len: int, new_chars: int, param: str) -> None:
+        """Even at the tokenizer's longest token, this much new text cannot
+        fit: refused without tokenizing (a 64 MiB body would hold the loop)."""
+        if base_len + new_chars // self.renderer.max_token_chars > s.settings.max_model_len:
+            s.terminated = s.terminated or "context_limit"
+            raise GatewayError(400, f"{new_chars} characters of new text cannot fit the {s.settings.max_model_len}"
+                                    "-token context", code="context_length_exceeded", param=param)
+
+    def _temperature(self, s: GatewaySession, call: Call) -> float:
+        """The temperature the call samples at, checked against the run's
+        (GatewayError for knobs the run refuses)."""
         settings = s.settings
         base = settings.sampling
-        if req.n not in (None, 1):
-            raise GatewayError(400, "n must be 1 (one sample per call)", param="n")
-        if req.stop:
-            raise GatewayError(400, "stop sequences are not supported: samples are token-exact and end at the "
-                                    "model's end of turn", param="stop")
-        temperature = base.temperature if req.temperature is None else req.temperature
+        temperature = base.temperature if call.temperature is None else call.temperature
         if base.temperature == 0:  # greedy evaluation (scheduler.eval_temperature = 0): not trained on
             temperature = 0.0
         elif not 0 < temperature <= base.temperature + 1e-9:
@@ -280,13 +312,9 @@ class Gateway:
                             key="actor.sampling.min_temperature")
             self.stats.temperature_floored += 1
             temperature = floor
-        if req.top_p is not None and abs(req.top_p - base.top_p) > 1e-9:
+        if call.top_p is not None and abs(call.top_p - base.top_p) > 1e-9:
             raise GatewayError(400, f"top_p is fixed by the run (actor.sampling.top_p = {base.top_p})", param="top_p")
-        tool_choice = req.tool_choice if req.tool_choice is not None else "auto"
-        if tool_choice not in ("auto", "none"):
-            raise GatewayError(400, "tool_choice must be 'auto' or 'none' (forcing a call needs guided decoding)",
-                               param="tool_choice")
-        return temperature, tool_choice
+        return temperature
 
     async def _generate(self, s: GatewaySession, prompt: list[int], sampling: SamplingSettings,
                         on_tokens: Callable | None = None, *, step: int, reset: bool,
@@ -310,28 +338,37 @@ class Gateway:
         s._engine = gen.lease.engine_id
         return gen
 
-    def _reply(self, gen: Generation, tools: list[dict[str, Any]] | None,
-               prompt: list[int]) -> tuple[dict[str, Any], str, list[ToolCall], str | None]:
-        """(the reply as the template renders it, finish reason, tool calls,
-        reasoning) of a completion, read by model.tool_parser and
-        model.reasoning_parser; ``tools``: those offered (None: no call is
-        read; one vLLM cannot read stays in the content, as vllm serve
-        answers). The reply is what a re-sent history is matched against, so
-        it holds no reasoning: the agent sends back content and calls."""
+    def _answer_of(self, gen: Generation, call: Call, prompt: list[int], step: int, answer_id: str,
+                created: int) -> Answer:
+        """A completion as every API's reply is written from. A chat call's
+        text is read by model.tool_parser (when it offered tools and
+        tool_choice is not "none"; a call vLLM cannot read stays in the
+        content, as vllm serve answers) and model.reasoning_parser; a raw
+        prompt's (completions) is the text as it is. ``Answer.reply`` is what
+        a re-sent history is matched against: content and calls, no
+        reasoning (the agent sends back content and calls)."""
         comp = gen.completion
         text = self.renderer.completion_text(comp.token_ids, comp.finish_reason)
+        length = comp.finish_reason == "length"
+        if call.messages is None:
+            return Answer(answer_id, step, self.model_name, created, text, None, [], "length" if length else "stop",
+                          prompt, comp.token_ids, call,
+                          {"text": text, "stop_dropped": self.renderer.ends_on_stop(comp.token_ids, comp.finish_reason)})
+        tools = call.tools if call.tools and call.tool_choice != "none" else None
         parsed = self.renderer.parser.parse(text, tools, output_ids=comp.token_ids, prompt_ids=prompt)
         content, calls = parsed.content, parsed.tool_calls
         reply: dict[str, Any] = {"role": "assistant", "content": content}
         if calls:
             reply["tool_calls"] = [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
                                    for c in calls]
-        finish = "tool_calls" if calls else ("length" if comp.finish_reason == "length" else "stop")
-        return reply, finish, calls, parsed.reasoning
+        finish = "tool_calls" if calls else ("length" if length else "stop")
+        return Answer(answer_id, step, self.model_name, created, content, parsed.reasoning, calls, finish, prompt,
+                      comp.token_ids, call, reply)
 
-    def _record(self, s, messages, tools, prompt, gen, step, version, temperature, reset, reply) -> None:
+    def _record(self, s: GatewaySession, call: Call, prompt: list[int], gen, step: int, version: int,
+                temperature: float, reset: bool, answer: Answer) -> None:
         s.calls.append(ServedCall(step, prompt, gen, version, temperature, reset))
-        s.remember(step, messages, tools, prompt, gen.completion.token_ids, reply)
+        s.remember(step, call, prompt, gen.completion.token_ids, answer.reply)
         self.stats.calls += 1
 
     def _unsent(self, s: GatewaySession, step: int) -> None:

@@ -68,6 +68,13 @@ class HistoryMatch(NamedTuple):
     last_completion: list[int]
 
 
+class TextMatch(NamedTuple):
+    """What of a raw prompt the last raw prompt + completion cover."""
+
+    covered: int  # characters
+    ids: list[int]
+
+
 class GatewaySession:
     """One episode's view of the gateway: valid from ``Gateway.session`` to
     its exit."""
@@ -106,6 +113,10 @@ class GatewaySession:
         self._ids: list[int] = []
         self._last_completion: list[int] = []
         self._empty_reply = False
+        # A raw prompt's history (completions): the text the agent saw, and
+        # the ids that stand for it.
+        self._text: str | None = None
+        self._text_ids: list[int] | None = None
         self._engine: int | None = None
         self._inflight: set[asyncio.Task] = set()
         # The history before the newest remembered call, while that call's
@@ -130,9 +141,13 @@ class GatewaySession:
                              self.serving.agent_socket, self.gateway.agent_sockets)
 
     def check_key(self, request: web.Request, key: str | None = None) -> None:
+        """The key as a bearer token (OpenAI's SDKs) or in ``x-api-key``
+        (Anthropic's)."""
         key = self.api_key if key is None else key
         scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), key.encode()):
+        if scheme.lower() != "bearer":
+            given = request.headers.get("x-api-key", "")
+        if not given or not hmac.compare_digest(given.strip().encode(), key.encode()):
             self.gateway.stats.unauthorized += 1
             raise GatewayError(401, "invalid API key for this episode", code="invalid_api_key",
                                type="authentication_error")
@@ -170,21 +185,46 @@ class GatewaySession:
             return match.ids + renderer.next_messages(match.last_completion, messages[match.covered:])
         return renderer.render(messages, tools)
 
-    def remember(self, step: int, messages: list[dict[str, Any]], tools, prompt: list[int], completion: list[int],
-                 reply: dict[str, Any]) -> None:
+    def extends_text(self, text: str) -> TextMatch | None:
+        """A raw prompt (``/v1/completions``) that begins with the last one
+        + the text of its completion: how much of it that covers, and their
+        ids."""
+        if self._text is None or not text.startswith(self._text):
+            return None
+        return TextMatch(len(self._text), self._text_ids)
+
+    def extends_ids(self, ids: list[int]) -> bool:
+        """Whether the agent's own prompt ids begin with the last prompt +
+        completion."""
+        n = len(self._ids)
+        return bool(n) and len(ids) >= n and ids[:n] == self._ids
+
+    def remember(self, step: int, call, prompt: list[int], completion: list[int], reply: dict[str, Any]) -> None:
+        """Call ``step`` (a ``protocols.Call``) was answered with
+        ``completion``: what the next call is matched against. ``reply``: the
+        answer as the template renders it (a raw prompt's: ``{"text"}``)."""
         if step < self._remembered_step:  # concurrent calls: the newer one already set the history
             return
         self._undo = (step, self._history_state())
         self._remembered_step = step
-        self._history = messages + [reply]
-        self._empty_reply = not reply["content"] and not reply.get("tool_calls")
-        self._tools = tools or []
         self._ids = prompt + completion
         self._last_completion = completion
+        self._tools = call.tools or []
+        if call.messages is not None:
+            self._history = call.messages + [reply]
+            self._empty_reply = not reply["content"] and not reply.get("tool_calls")
+        else:
+            self._history, self._empty_reply = [], False
+        self._text = self._text_ids = None
+        if call.text is not None:
+            # What the agent saw: its prompt and the completion's text, whose
+            # stop token (dropped from the text) is not in the ids it extends.
+            self._text = call.text + reply["text"]
+            self._text_ids = prompt + (completion[:-1] if reply.get("stop_dropped") else completion)
 
     def _history_state(self) -> tuple:
         return (self._remembered_step, self._history, self._empty_reply, self._tools, self._ids,
-                self._last_completion)
+                self._last_completion, self._text, self._text_ids)
 
     def forget(self, step: int) -> bool:
         """Call ``step`` was answered but its reply never reached the agent
@@ -198,7 +238,7 @@ class GatewaySession:
         forgot = len(self.calls) < n
         if self._undo is not None and self._undo[0] == step and self._remembered_step == step:
             (self._remembered_step, self._history, self._empty_reply, self._tools, self._ids,
-             self._last_completion) = self._undo[1]
+             self._last_completion, self._text, self._text_ids) = self._undo[1]
             forgot = True
         if self._undo is not None and self._undo[0] == step:
             self._undo = None

@@ -1,0 +1,348 @@
+"""The gateway's other APIs, each through its own unmodified SDK and the real
+engine: Anthropic Messages (``anthropic``), OpenAI Responses and OpenAI
+Completions (``openai``). Each: multi-turn samples token-exact (prompt k+1
+extends prompt k + completion k; the engine's logprobs), streaming that
+adds up to the whole reply, token ids in and out, and errors in the API's
+own shape, raised as the SDK's own exception types. The translation alone
+(no engine) is checked at the top. Tool loops run in
+test_examples_agents.py (a scripted policy writes the calls)."""
+
+import json
+
+import anthropic
+import openai
+import pytest
+
+from rlnode.actor.gateway.api import GatewayError
+from rlnode.actor.gateway.protocols import BY_NAME
+from rlnode.actor.gateway.protocols.messages import MessagesRequest, conversation
+from rlnode.actor.gateway.protocols.responses import input_messages
+from rlnode.cubes.openai_agent import anthropic_base
+from test_gateway import check_parity, client_for, gateway, make_gateway, mode, router  # noqa: F401 (fixtures)
+
+
+# -- the translation, no engine ---------------------------------------------------
+
+
+def test_messages_become_the_conversation_the_template_renders():
+    req = MessagesRequest(model="m", max_tokens=8, system=[{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}],
+                          messages=[
+                              {"role": "user", "content": "Guess."},
+                              {"role": "assistant", "content": [
+                                  {"type": "thinking", "thinking": "hmm", "signature": "x"},
+                                  {"type": "text", "text": "Let me try."},
+                                  {"type": "tool_use", "id": "toolu_0_0", "name": "guess", "input": {"number": 4}}]},
+                              {"role": "user", "content": [
+                                  {"type": "tool_result", "tool_use_id": "toolu_0_0",
+                                   "content": [{"type": "text", "text": "Lower."}, {"type": "text", "text": "1-3."}]},
+                                  {"type": "text", "text": "Go on."}]}])
+    assert conversation(req) == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Guess."},
+        {"role": "assistant", "content": "Let me try.",
+         "tool_calls": [{"type": "function", "function": {"name": "guess", "arguments": {"number": 4}}}]},
+        {"role": "tool", "content": "Lower.\n1-3.", "tool_call_id": "toolu_0_0"},
+        {"role": "user", "content": "Go on."}]
+    bad = MessagesRequest(model="m", max_tokens=8, messages=[{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": ""}}]}])
+    with pytest.raises(GatewayError, match="image"):
+        conversation(bad)
+
+
+def test_response_items_become_the_conversation_the_template_renders():
+    items = [{"role": "user", "content": [{"type": "input_text", "text": "Guess."}]},
+             {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "hm"}]},
+             {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
+              "content": [{"type": "output_text", "text": "Let me try.", "annotations": []}]},
+             {"type": "function_call", "call_id": "call_0_0", "name": "guess", "arguments": '{"number": 4}'},
+             {"type": "function_call", "call_id": "call_0_1", "name": "guess", "arguments": '{"number": 5}'},
+             {"type": "function_call_output", "call_id": "call_0_0", "output": "Lower."},
+             {"type": "function_call_output", "call_id": "call_0_1", "output": "Lower."}]
+    assert input_messages(items) == [
+        {"role": "user", "content": "Guess."},
+        {"role": "assistant", "content": "Let me try.", "tool_calls": [
+            {"type": "function", "function": {"name": "guess", "arguments": {"number": 4}}},
+            {"type": "function", "function": {"name": "guess", "arguments": {"number": 5}}}]},
+        {"role": "tool", "content": "Lower.", "tool_call_id": "call_0_0"},
+        {"role": "tool", "content": "Lower.", "tool_call_id": "call_0_1"}]
+    assert input_messages("Hi") == [{"role": "user", "content": "Hi"}]
+    with pytest.raises(GatewayError, match="item_reference"):
+        input_messages([{"type": "item_reference", "id": "x"}])
+
+
+def test_anthropic_base_url_is_the_episode_root():
+    assert anthropic_base("http://h:1/episodes/T/v1") == "http://h:1/episodes/T"
+    assert anthropic_base("http://h:1/episodes/T/v1/") == "http://h:1/episodes/T"
+
+
+def test_each_api_has_its_route_and_its_error_shape():
+    assert {p.name: p.route for p in BY_NAME.values()} == {
+        "chat": "/v1/chat/completions", "completions": "/v1/completions", "responses": "/v1/responses",
+        "messages": "/v1/messages"}
+    e = GatewayError(401, "invalid API key for this episode", code="invalid_api_key", type="authentication_error")
+    assert BY_NAME["messages"].error_body(e) == {"type": "error", "error": {
+        "type": "authentication_error", "message": "invalid API key for this episode"}}
+    assert BY_NAME["responses"].error_body(e)["error"]["code"] == "invalid_api_key"
+
+
+# -- Anthropic Messages, the anthropic SDK ------------------------------------------
+
+
+def anthropic_for(session, **kw) -> anthropic.AsyncAnthropic:
+    ep = session.endpoint
+    return anthropic.AsyncAnthropic(base_url=anthropic_base(ep.base_url), api_key=kw.pop("api_key", ep.api_key),
+                                    max_retries=0, timeout=60, **kw)
+
+
+@pytest.mark.engine
+async def test_messages_multi_turn_samples_are_exact(gateway, hf_model, tokenizer):
+    async with gateway.session("ep-messages") as s:
+        client = anthropic_for(s)
+        messages = [{"role": "user", "content": "Guess 1-8."}]
+        for turn in range(3):
+            r = await client.messages.create(model="tiny", max_tokens=12, system="You guess numbers.",
+                                             messages=messages)
+            assert r.type == "message" and r.role == "assistant" and r.stop_reason in ("end_turn", "max_tokens")
+            assert r.usage.input_tokens == len(s.calls[-1].prompt)
+            assert r.usage.output_tokens == len(s.calls[-1].generation.completion.token_ids) <= 12
+            assert [b.type for b in r.content] == ["text"]
+            messages += [{"role": "assistant", "content": r.content},  # the SDK's own blocks, re-sent
+                         {"role": "user", "content": f"higher ({turn})"}]
+        await client.close()
+    assert [c.step_index for c in s.calls] == [0, 1, 2] and s.history_resets == 0
+    check_parity(s.calls, hf_model)
+    first = tokenizer.apply_chat_template([{"role": "system", "content": "You guess numbers."},
+                                           {"role": "user", "content": "Guess 1-8."}],
+                                          add_generation_prompt=True, tokenize=False)
+    assert s.calls[0].prompt == tokenizer.encode(first, add_special_tokens=False)
+
+
+@pytest.mark.engine
+async def test_messages_stream_adds_up_to_the_message(gateway, hf_model):
+    async with gateway.session("ep-messages-stream") as s:
+        client = anthropic_for(s)
+        messages = [{"role": "user", "content": "Count."}]
+        for _ in range(2):
+            async with client.messages.stream(model="tiny", max_tokens=16, messages=messages) as stream:
+                text = "".join([t async for t in stream.text_stream])
+                final = await stream.get_final_message()
+            assert final.content[0].text == text
+            assert final.usage.output_tokens == len(s.calls[-1].generation.completion.token_ids)
+            assert final.stop_reason in ("end_turn", "max_tokens")
+            messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "again"}]
+        await client.close()
+    assert gateway.stats.streamed == 2 and s.history_resets == 0
+    check_parity(s.calls, hf_model)
+
+
+@pytest.mark.engine
+async def test_messages_errors_are_anthropics(gateway):
+    async with gateway.session("ep-messages-errors") as s:
+        ask = dict(model="tiny", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+        bad_key = anthropic_for(s, api_key="rlnode-wrong")
+        with pytest.raises(anthropic.AuthenticationError) as e:
+            await bad_key.messages.create(**ask)
+        assert e.value.body["error"]["type"] == "authentication_error"
+        await bad_key.close()
+        client = anthropic_for(s)
+        with pytest.raises(anthropic.BadRequestError, match="input_schema"):
+            await client.messages.create(**ask, tools=[{"name": "guess", "description": "no schema"}])
+        with pytest.raises(anthropic.BadRequestError, match="tool_choice"):
+            await client.messages.create(**ask, tool_choice={"type": "any"})
+        with pytest.raises(anthropic.BadRequestError, match="context") as e:  # 2048-token context
+            await client.messages.create(model="tiny", max_tokens=4,
+                                         messages=[{"role": "user", "content": "word " * 5000}])
+        assert e.value.status_code == 400 and e.value.body["error"]["type"] == "invalid_request_error"
+        unknown = anthropic.AsyncAnthropic(base_url=anthropic_base(s.endpoint.base_url).replace(s.token, "nope"),
+                                           api_key=s.endpoint.api_key, max_retries=0)
+        with pytest.raises(anthropic.NotFoundError):
+            await unknown.messages.create(**ask)
+        await unknown.close(), await client.close()
+    assert s.calls == []  # nothing refused reached the engine
+
+
+# -- OpenAI Responses, the openai SDK ------------------------------------------------
+
+
+@pytest.mark.engine
+async def test_responses_multi_turn_samples_are_exact(gateway, hf_model, tokenizer):
+    """Turn 2 names turn 1 by previous_response_id, turn 3 re-sends every
+    item: both extend the last prompt + completion exactly."""
+    async with gateway.session("ep-responses") as s:
+        client = client_for(s)
+        r1 = await client.responses.create(model="tiny", instructions="You guess numbers.", input="Guess 1-8.",
+                                           max_output_tokens=12)
+        assert r1.status in ("completed", "incomplete") and r1.output[0].type == "message"
+        assert r1.usage.input_tokens == len(s.calls[0].prompt)
+        assert r1.usage.output_tokens == len(s.calls[0].generation.completion.token_ids)
+        r2 = await client.responses.create(model="tiny", instructions="You guess numbers.", input="higher",
+                                           previous_response_id=r1.id, max_output_tokens=12)
+        items = [{"role": "user", "content": "Guess 1-8."}, *[o.model_dump(exclude_none=True) for o in r1.output],
+                 {"role": "user", "content": "higher"}, *[o.model_dump(exclude_none=True) for o in r2.output],
+                 {"role": "user", "content": "lower"}]
+        r3 = await client.responses.create(model="tiny", instructions="You guess numbers.", input=items,
+                                           max_output_tokens=12)
+        assert r3.usage.output_tokens == len(s.calls[2].generation.completion.token_ids)
+        assert r3.usage.input_tokens == len(s.calls[2].prompt)
+        await client.close()
+    assert [c.step_index for c in s.calls] == [0, 1, 2] and s.history_resets == 0
+    check_parity(s.calls, hf_model)
+
+
+@pytest.mark.engine
+async def test_responses_stream_adds_up_to_the_response(gateway, hf_model):
+    async with gateway.session("ep-responses-stream") as s:
+        client = client_for(s)
+        previous = None
+        for _ in range(2):
+            seen, deltas = [], []
+            async with client.responses.stream(model="tiny", input="Count.", max_output_tokens=16,
+                                               **({"previous_response_id": previous} if previous else {})) as stream:
+                async for event in stream:
+                    seen.append((event.type, event.sequence_number))
+                    if event.type == "response.output_text.delta":
+                        deltas.append(event.delta)
+                final = await stream.get_final_response()
+            assert [n for _, n in seen] == list(range(len(seen)))
+            assert seen[0][0] == "response.created" and seen[-1][0] == "response.completed"
+            assert final.output_text == "".join(deltas)
+            assert final.usage.output_tokens == len(s.calls[-1].generation.completion.token_ids)
+            previous = final.id
+        await client.close()
+    assert gateway.stats.streamed == 2 and s.history_resets == 0
+    check_parity(s.calls, hf_model)
+
+
+@pytest.mark.engine
+async def test_responses_errors_are_openais(gateway):
+    async with gateway.session("ep-responses-errors") as s:
+        client = client_for(s)
+        with pytest.raises(openai.BadRequestError) as e:
+            await client.responses.create(model="tiny", input="hi", previous_response_id="resp_elsewhere")
+        assert e.value.code == "previous_response_not_found" and e.value.param == "previous_response_id"
+        with pytest.raises(openai.BadRequestError, match="function tools"):
+            await client.responses.create(model="tiny", input="hi", tools=[{"type": "web_search"}])
+        with pytest.raises(openai.BadRequestError, match="context_length|cannot fit"):
+            await client.responses.create(model="tiny", input="word " * 5000)
+        wrong = openai.AsyncOpenAI(base_url=s.endpoint.base_url, api_key="rlnode-wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            await wrong.responses.create(model="tiny", input="hi")
+        await wrong.close(), await client.close()
+    assert s.calls == []
+
+
+# -- OpenAI Completions: a raw prompt, token ids in and out ------------------------
+
+
+@pytest.mark.engine
+async def test_completions_text_and_token_ids(gateway, hf_model, tokenizer):
+    async with gateway.session("ep-completions") as s:
+        client = client_for(s)
+        r1 = await client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=8,
+                                             extra_body={"return_token_ids": True})
+        c0 = s.calls[0]
+        assert c0.prompt == tokenizer.encode("Once upon a time", add_special_tokens=False)
+        choice = r1.choices[0].model_dump()
+        assert choice["prompt_token_ids"] == c0.prompt and choice["token_ids"] == c0.generation.completion.token_ids
+        # The text grows by the completion and more: the prompt extends the
+        # last prompt + completion (the stop token the text dropped aside).
+        text = "Once upon a time" + r1.choices[0].text + " then"
+        await client.completions.create(model="tiny", prompt=text, max_tokens=8)
+        done = c0.generation.completion.token_ids
+        head = c0.prompt + (done[:-1] if done and done[-1] == tokenizer.eos_token_id else done)
+        assert s.calls[1].prompt[: len(head)] == head and not s.calls[1].history_reset
+        # Token ids in: the engine gets exactly these.
+        ids = s.calls[1].prompt + s.calls[1].generation.completion.token_ids
+        await client.completions.create(model="tiny", prompt=ids, max_tokens=4)
+        assert s.calls[2].prompt == ids and not s.calls[2].history_reset
+        stream = await client.completions.create(model="tiny", prompt="Count:", max_tokens=8, stream=True)
+        streamed = "".join([c.choices[0].text async for c in stream if c.choices])
+        assert streamed == tokenizer.decode(s.calls[3].generation.completion.token_ids[:-1]
+                                            if s.calls[3].generation.completion.finish_reason == "stop"
+                                            else s.calls[3].generation.completion.token_ids)
+        with pytest.raises(openai.BadRequestError, match="vocabulary"):
+            await client.completions.create(model="tiny", prompt=[len(tokenizer) + 5], max_tokens=4)
+        await client.close()
+    assert s.history_resets == 1 and s.calls[3].history_reset  # the "Count:" call
+    check_parity(s.calls[:3], hf_model)
+
+
+@pytest.mark.engine
+async def test_chat_returns_token_ids_when_asked(gateway):
+    async with gateway.session("ep-chat-ids") as s:
+        client = client_for(s)
+        r = await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=6, extra_body={"return_token_ids": True})
+        body = r.model_dump()
+        assert body["prompt_token_ids"] == s.calls[0].prompt
+        assert body["choices"][0]["token_ids"] == s.calls[0].generation.completion.token_ids
+        plain = await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                     max_tokens=6)
+        assert "prompt_token_ids" not in json.loads(plain.model_dump_json(exclude_unset=True))
+        await client.close()
+
+
+# -- histories the chat template rewrites ----------------------------------------
+
+
+@pytest.mark.parametrize("history", ["extend", "render"])
+async def test_a_reasoning_reply_resent_without_its_reasoning(history, tiny_model_dir):
+    """A reasoning model's reply comes back from the agent without its
+    reasoning (as Qwen3's and DeepSeek-R1's templates drop it from earlier
+    turns). actor.gateway_history = "extend": the next prompt is the last
+    prompt + the sampled tokens (reasoning included) + the new message, one
+    growing context. "render": the template's rendering of the conversation
+    as sent (no reasoning), which does not extend the last prompt and is
+    counted. Either way each sample holds exactly what the engine saw and
+    sampled, each sampled token in one sample only."""
+    from transformers import AutoTokenizer
+
+    from rlnode.actor.episode import ChatRenderer, EpisodeSettings
+    from rlnode.actor.engine import SamplingSettings
+    from rlnode.actor.gateway import Gateway
+    from rlnode.actor.parsing import CompletionParser
+    from test_examples_agents import ScriptedPolicy
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tok.add_tokens(["<think>", "</think>"])  # as the reasoning models' vocabularies have them
+    renderer = ChatRenderer(tok, parser=CompletionParser(tok, "hermes", "deepseek_r1"))
+    policy = ScriptedPolicy(tok, ["<think>plan A</think>3", "<think>plan B</think>2"])
+    settings = EpisodeSettings(SamplingSettings(max_tokens=64), max_turns=8, max_model_len=2048)
+    gw = Gateway(policy, renderer, settings, history=history)
+    messages = [{"role": "user", "content": "Guess 1-5."}]
+    async with gw.serve(), gw.session("ep-think") as s:
+        client = client_for(s)
+        r = await client.chat.completions.create(model="m", messages=messages)
+        msg = r.choices[0].message
+        assert msg.content == "3" and msg.model_extra["reasoning"] == "plan A"
+        messages += [{"role": "assistant", "content": msg.content}, {"role": "user", "content": "Lower."}]
+        await client.chat.completions.create(model="m", messages=messages)
+        await client.close()
+    c0, c1 = s.calls
+    sampled = [tok.encode(t, add_special_tokens=False) + [tok.eos_token_id]
+               for t in ("<think>plan A</think>3", "<think>plan B</think>2")]
+    assert [c.generation.completion.token_ids for c in s.calls] == sampled == [p[-len(x):] for p, x in zip(
+        [c.prompt + c.generation.completion.token_ids for c in s.calls], sampled)]
+    head = c0.prompt + c0.generation.completion.token_ids
+    if history == "extend":
+        assert c1.prompt[: len(head)] == head and "plan A" in tok.decode(c1.prompt)
+        assert s.history_resets == 0 and not c1.history_reset
+    else:
+        assert c1.prompt == renderer.render(messages, None) and "plan A" not in tok.decode(c1.prompt)
+        assert s.history_resets == 1 and c1.history_reset
+
+
+def test_the_trainer_counts_the_turns_that_extend():
+    from rlnode.actor.router import LeaseMetadata
+    from rlnode.trainer.buffer import count_extending_turns
+    from rlnode.wire import TrainingSample, pack_f32, pack_i32
+
+    def call(ep, k, prompt, completion):
+        return TrainingSample(f"{ep}/{k}", "g", ep, "c", "t", k, pack_i32(prompt), pack_i32(completion),
+                              pack_f32([0.0] * len(completion)), bytes([1]) * len(completion), 0.0, "stop", "done",
+                              0, 1.0, LeaseMetadata(1, 0, 0.0, 0.0))
+
+    samples = [call("a", 0, [1, 2], [3]), call("a", 1, [1, 2, 3, 4], [5]), call("a", 2, [1, 9], [6]),  # 1 of 2
+               call("b", 1, [7], [8]), call("b", 0, [5], [6]),  # out of order, not extending: 0 of 1
+               call("c", 0, [1], [2]), call("c", 2, [1, 2, 3], [4])]  # call 1 untrained: no pair
+    assert count_extending_turns(samples) == (3, 1)
