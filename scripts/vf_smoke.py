@@ -93,7 +93,7 @@ max_model_len = 1024
 data = "{workdir}/sft.jsonl"
 eval_fraction = 0.05
 eval_every = 8
-epochs = 1
+epochs = {sft_epochs}
 batch_size = 16
 max_length = 256
 
@@ -111,7 +111,7 @@ cpu_omp_threads_bind = "{omp_bind}"
 llm_max_rollouts = 64
 
 [actor.sampling]
-temperature = 1.0
+temperature = {temperature}
 max_tokens = {max_tokens}
 
 [actor.episode]
@@ -187,7 +187,16 @@ def main() -> int:
     p.add_argument("--seeds", default="0,1,2", help="RL seeds (one SFT start for all)")
     p.add_argument("--steps", type=int, default=20, help="RL steps per seed (default 20)")
     p.add_argument("--sft-examples", type=int, default=256, help="SFT conversations (default 256)")
-    p.add_argument("--sft-lr", default="1e-4", help="SFT learning rate (default 1e-4; RL's is 2e-5)")
+    p.add_argument("--sft-lr", default="1e-4", help="SFT learning rate (default 1e-4)")
+    p.add_argument("--sft-epochs", type=int, default=1, help="passes over the SFT set (default 1)")
+    p.add_argument("--rl-lr", default="2e-5", help="RL learning rate (default 2e-5)")
+    p.add_argument("--temperature", type=float, default=1.0,
+                   help="sampling temperature of RL and of its evaluations (default 1.0)")
+    p.add_argument("--attempts", type=int, default=4, help="attempts per group (default 4)")
+    p.add_argument("--groups", type=int, default=4, help="groups per RL step (default 4)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config override for the RL runs (repeatable), e.g. trainer.sync=false")
+    p.add_argument("--sft-from", type=Path, help="skip SFT: start RL from this model folder (an earlier final/)")
     p.add_argument("--alphabet-sort", action="store_true", help="also RL on alphabet_sort (one seed, plain model)")
     p.add_argument("--no-install", action="store_true", help="skip the pip installs")
     p.add_argument("--json", action="store_true", help="print bench learn's JSON instead of its table")
@@ -200,22 +209,24 @@ def main() -> int:
         upstream_vf_eval.install(args.verifiers)
     upstream_vf_eval.write_datasets(work)
     write_sft_set(work / "sft.jsonl", args.sft_examples)
-    common = dict(workdir=work, steps=args.steps, eval_episodes=64, attempts=4, groups=4,
-                  omp_bind=upstream_vf_eval.engine_cpus())
+    common = dict(workdir=work, steps=args.steps, eval_episodes=64, attempts=args.attempts, groups=args.groups,
+                  omp_bind=upstream_vf_eval.engine_cpus(), temperature=args.temperature, lr=args.rl_lr,
+                  sft_epochs=args.sft_epochs)
     (work / "reverse-text.toml").write_text(CONFIG.format(
-        env="reverse-text", module="reverse_text", model=args.model.resolve(), max_tokens=96, lr="2e-5", **common))
-    print(f"vf_smoke: rlnode sft ({args.sft_examples} conversations; log {log})", file=sys.stderr)
-    rlnode("sft", "--config", str(work / "reverse-text.toml"), "--run-dir", str(work / "sft"),
-           "--set", f"trainer.optim.lr={args.sft_lr}", cwd=work, log=log)
+        env="reverse-text", module="reverse_text", model=args.model.resolve(), max_tokens=96, **common))
+    start = args.sft_from.resolve() if args.sft_from else work / "sft" / "final"
+    if not args.sft_from:
+        print(f"vf_smoke: rlnode sft ({args.sft_examples} conversations; log {log})", file=sys.stderr)
+        rlnode("sft", "--config", str(work / "reverse-text.toml"), "--run-dir", str(work / "sft"),
+               "--set", f"trainer.optim.lr={args.sft_lr}", cwd=work, log=log)
     sft_s = time.monotonic() - t0
     print(f"vf_smoke: SFT done in {sft_s / 60:.1f} min; RL on reverse_text, seeds {args.seeds}", file=sys.stderr)
     bench = ["bench", "learn", "--config", str(work / "reverse-text.toml"), "--metric", "reward", "--target", "0.9",
-             "--seeds", args.seeds, "--set", f"model.path={work / 'sft' / 'final'}"]
+             "--seeds", args.seeds, "--set", f"model.path={start}", *(a for o in args.overrides for a in ("--set", o))]
     out = rlnode(*bench, *(["--json"] if args.json else []), cwd=work, log=log)
     if args.alphabet_sort:
         (work / "alphabet-sort.toml").write_text(CONFIG.format(
-            env="alphabet-sort", module="alphabet_sort", model=args.model.resolve(), max_tokens=256, lr="2e-5",
-            **common))
+            env="alphabet-sort", module="alphabet_sort", model=args.model.resolve(), max_tokens=256, **common))
         out = (out or "") + (rlnode("bench", "learn", "--config", str(work / "alphabet-sort.toml"), "--metric",
                                     "reward", "--target", "0.9", "--seeds", args.seeds.split(",")[0],
                                     *(["--json"] if args.json else []), cwd=work, log=log) or "")
