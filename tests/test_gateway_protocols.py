@@ -153,6 +153,10 @@ async def test_messages_errors_are_anthropics(gateway):
             await client.messages.create(model="tiny", max_tokens=4,
                                          messages=[{"role": "user", "content": "word " * 5000}])
         assert e.value.status_code == 400 and e.value.body["error"]["type"] == "invalid_request_error"
+        assert [m.id for m in (await client.models.list()).data] == ["tiny"]
+        with pytest.raises(anthropic.NotFoundError) as e:  # calls take any model name; this route names its own
+            await client.models.retrieve("claude-elsewhere")
+        assert e.value.body["error"]["type"] == "not_found_error"
         unknown = anthropic.AsyncAnthropic(base_url=anthropic_base(s.endpoint.base_url).replace(s.token, "nope"),
                                            api_key=s.endpoint.api_key, max_retries=0)
         with pytest.raises(anthropic.NotFoundError):
@@ -224,6 +228,10 @@ async def test_responses_errors_are_openais(gateway):
             await client.responses.create(model="tiny", input="hi", tools=[{"type": "web_search"}])
         with pytest.raises(openai.BadRequestError, match="context_length|cannot fit"):
             await client.responses.create(model="tiny", input="word " * 5000)
+        assert (await client.models.retrieve("tiny")).id == "tiny"
+        with pytest.raises(openai.NotFoundError) as e:
+            await client.models.retrieve("gpt-elsewhere")
+        assert e.value.code == "model_not_found"
         wrong = openai.AsyncOpenAI(base_url=s.endpoint.base_url, api_key="rlnode-wrong", max_retries=0)
         with pytest.raises(openai.AuthenticationError):
             await wrong.responses.create(model="tiny", input="hi")
@@ -346,3 +354,48 @@ def test_the_trainer_counts_the_turns_that_extend():
                call("b", 1, [7], [8]), call("b", 0, [5], [6]),  # out of order, not extending: 0 of 1
                call("c", 0, [1], [2]), call("c", 2, [1, 2, 3], [4])]  # call 1 untrained: no pair
     assert count_extending_turns(samples) == (3, 1)
+
+
+async def test_reasoning_and_calls_reach_each_api_in_its_own_shape(tiny_model_dir):
+    """A reasoning model's reply with a tool call (deepseek_r1 and hermes
+    parsers, a scripted policy): a thinking block and a tool_use block
+    (Messages), a reasoning item and a function_call item (Responses), the
+    same whole or streamed."""
+    from transformers import AutoTokenizer
+
+    from rlnode.actor.episode import ChatRenderer, EpisodeSettings
+    from rlnode.actor.engine import SamplingSettings
+    from rlnode.actor.gateway import Gateway
+    from rlnode.actor.parsing import CompletionParser
+    from test_examples_agents import CALL_4, ScriptedPolicy
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tok.add_tokens(["<think>", "</think>"])
+    renderer = ChatRenderer(tok, parser=CompletionParser(tok, "hermes", "deepseek_r1"))
+    reply = "<think>four is in the middle</think>Trying. " + CALL_4
+    policy = ScriptedPolicy(tok, [reply] * 4)
+    settings = EpisodeSettings(SamplingSettings(max_tokens=64), max_turns=8, max_model_len=2048)
+    gw = Gateway(policy, renderer, settings)
+    tool = {"type": "object", "properties": {"number": {"type": "integer"}}}
+    async with gw.serve(), gw.session("ep-shapes") as s:
+        a = anthropic_for(s)
+        ask = dict(model="m", max_tokens=64, messages=[{"role": "user", "content": "go"}],
+                   tools=[{"name": "guess", "input_schema": tool}])
+        whole = await a.messages.create(**ask)
+        async with a.messages.stream(**ask) as stream:
+            streamed = await stream.get_final_message()
+        for m in (whole, streamed):
+            assert [b.type for b in m.content] == ["thinking", "text", "tool_use"] and m.stop_reason == "tool_use"
+            assert m.content[0].thinking == "four is in the middle" and m.content[1].text == "Trying. "
+            assert (m.content[2].name, m.content[2].input) == ("guess", {"number": 4})
+        o = client_for(s)
+        ask = dict(model="m", input="go", tools=[{"type": "function", "name": "guess", "parameters": tool}])
+        whole = await o.responses.create(**ask)
+        async with o.responses.stream(**ask) as stream:
+            streamed = await stream.get_final_response()
+        for r in (whole, streamed):
+            assert [i.type for i in r.output] == ["reasoning", "message", "function_call"]
+            assert r.output[0].content[0].text == "four is in the middle" and r.output_text == "Trying. "
+            assert (r.output[2].name, json.loads(r.output[2].arguments)) == ("guess", {"number": 4})
+        await a.close(), await o.close()
+    assert gw.stats.errors == 0 and len(s.calls) == 4

@@ -23,7 +23,7 @@ from rlnode.actor.episode import ChatRenderer, EpisodeSettings, request_seed
 from rlnode.actor.gateway.api import (
     MAX_REQUEST_BYTES, TOKENIZE_INLINE_CHARS, EnvReward, EnvStep, GatewayError, read_body,
 )
-from rlnode.actor.gateway.protocols import PROTOCOLS, Answer, Call, Protocol
+from rlnode.actor.gateway.protocols import BY_NAME, PROTOCOLS, Answer, Call, Protocol
 from rlnode.actor.gateway.session import GatewaySession, GatewayStats, ServedCall
 from rlnode.actor.gateway.stream import stream_completion
 from rlnode.actor.generation import Generation, LLMClient
@@ -84,6 +84,7 @@ class Gateway:
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_get("/episodes/{token}/v1/models", self._models)
+        app.router.add_get("/episodes/{token}/v1/models/{model}", self._models)
         for proto in PROTOCOLS:
             app.router.add_post(f"/episodes/{{token}}{proto.route}", self._handler(proto))
         app.router.add_get("/episodes/{token}/env/tools", self._env_tools)
@@ -168,12 +169,23 @@ class Gateway:
     # -- handlers -------------------------------------------------------------
 
     async def _models(self, request: web.Request) -> web.Response:
+        """The one model, in OpenAI's shape, or Anthropic's for its SDK
+        (which sends ``anthropic-version``). Calls accept any model name
+        (agents hard-code theirs); only this route says which one is
+        served, and 404s another by name."""
+        proto = BY_NAME["messages" if "anthropic-version" in request.headers else "chat"]
         try:
             self._session(request)
+            asked = request.match_info.get("model")
+            if asked is None:
+                return web.json_response(proto.model_list(self.model_name))
+            if asked != self.model_name:
+                raise GatewayError(404, f"The model {asked!r} does not exist; this endpoint serves "
+                                        f"{self.model_name!r} (calls may name any model)", code="model_not_found",
+                                   param="model")
+            return web.json_response(proto.model_card(self.model_name))
         except GatewayError as e:
-            return e.response()
-        return web.json_response({"object": "list", "data": [
-            {"id": self.model_name, "object": "model", "created": 0, "owned_by": "rlnode"}]})
+            return proto.error_response(e)
 
     async def _serve_call(self, request: web.Request, proto: Protocol) -> web.StreamResponse:
         """One LLM call through ``proto``'s route, answered (errors too) in

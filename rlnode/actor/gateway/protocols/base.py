@@ -133,6 +133,13 @@ class Protocol:
     def error_response(self, e: GatewayError) -> web.Response:
         return web.json_response(self.error_body(e), status=e.status)
 
+    def model_card(self, name: str) -> dict[str, Any]:
+        """``GET /models/{name}``'s body, and each entry of ``GET /models``."""
+        return {"id": name, "object": "model", "created": 0, "owned_by": "rlnode"}
+
+    def model_list(self, name: str) -> dict[str, Any]:
+        return {"object": "list", "data": [self.model_card(name)]}
+
     def answered(self, answer: Answer, session) -> None:
         """The reply reached the agent (Responses keeps it for a later
         ``previous_response_id``)."""

@@ -189,6 +189,12 @@ class Messages(Protocol):
     def error_response(self, e: GatewayError) -> web.Response:
         return web.json_response(self.error_body(e), status=e.status)
 
+    def model_card(self, name: str) -> dict[str, Any]:
+        return {"type": "model", "id": name, "display_name": name, "created_at": "1970-01-01T00:00:00Z"}
+
+    def model_list(self, name: str) -> dict[str, Any]:
+        return {"data": [self.model_card(name)], "has_more": False, "first_id": name, "last_id": name}
+
 
 def _tool_use_id(answer: Answer, i: int) -> str:
     return f"toolu_{answer.step}_{i}"
