@@ -163,7 +163,7 @@ async def test_tokens_and_keys_are_checked(gateway):
     ({"temperature": 1.5}, "temperature"),
     ({"temperature": 0.0}, "temperature"),
     ({"n": 2}, "n"),
-    ({"stop": ["\n"]}, "stop"),
+    ({"stop": ["\n", ""]}, "stop"),  # an empty stop sequence (stop sequences are honoured: test_gateway_protocols)
     ({"tool_choice": "required", "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
      "tool_choice"),
 ])

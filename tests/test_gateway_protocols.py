@@ -244,9 +244,12 @@ async def test_responses_errors_are_openais(gateway):
 
 @pytest.mark.engine
 async def test_completions_text_and_token_ids(gateway, hf_model, tokenizer):
+    from rlnode.actor.episode import ChatRenderer
+
+    renderer = ChatRenderer(tokenizer)
     async with gateway.session("ep-completions") as s:
         client = client_for(s)
-        r1 = await client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=8,
+        r1 = await client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=8, seed=1,
                                              extra_body={"return_token_ids": True})
         c0 = s.calls[0]
         assert c0.prompt == tokenizer.encode("Once upon a time", add_special_tokens=False)
@@ -255,19 +258,19 @@ async def test_completions_text_and_token_ids(gateway, hf_model, tokenizer):
         # The text grows by the completion and more: the prompt extends the
         # last prompt + completion (the stop token the text dropped aside).
         text = "Once upon a time" + r1.choices[0].text + " then"
-        await client.completions.create(model="tiny", prompt=text, max_tokens=8)
-        done = c0.generation.completion.token_ids
-        head = c0.prompt + (done[:-1] if done and done[-1] == tokenizer.eos_token_id else done)
+        await client.completions.create(model="tiny", prompt=text, max_tokens=8, seed=2)
+        done = c0.generation.completion
+        head = c0.prompt + (done.token_ids[:-1] if renderer.ends_on_stop(done.token_ids, done.finish_reason)
+                            else done.token_ids)
         assert s.calls[1].prompt[: len(head)] == head and not s.calls[1].history_reset
         # Token ids in: the engine gets exactly these.
         ids = s.calls[1].prompt + s.calls[1].generation.completion.token_ids
-        await client.completions.create(model="tiny", prompt=ids, max_tokens=4)
+        await client.completions.create(model="tiny", prompt=ids, max_tokens=4, seed=3)
         assert s.calls[2].prompt == ids and not s.calls[2].history_reset
-        stream = await client.completions.create(model="tiny", prompt="Count:", max_tokens=8, stream=True)
+        stream = await client.completions.create(model="tiny", prompt="Count:", max_tokens=8, stream=True, seed=4)
         streamed = "".join([c.choices[0].text async for c in stream if c.choices])
-        assert streamed == tokenizer.decode(s.calls[3].generation.completion.token_ids[:-1]
-                                            if s.calls[3].generation.completion.finish_reason == "stop"
-                                            else s.calls[3].generation.completion.token_ids)
+        last = s.calls[3].generation.completion
+        assert streamed == renderer.completion_text(last.token_ids, last.finish_reason)
         with pytest.raises(openai.BadRequestError, match="vocabulary"):
             await client.completions.create(model="tiny", prompt=[len(tokenizer) + 5], max_tokens=4)
         await client.close()
@@ -399,3 +402,47 @@ async def test_reasoning_and_calls_reach_each_api_in_its_own_shape(tiny_model_di
             assert (r.output[2].name, json.loads(r.output[2].arguments)) == ("guess", {"number": 4})
         await a.close(), await o.close()
     assert gw.stats.errors == 0 and len(s.calls) == 4
+
+
+@pytest.mark.engine
+async def test_stop_sequences_cut_the_text_and_keep_the_sampled_tokens(gateway, hf_model, tokenizer):
+    """An agent's stop sequence (Messages' stop_sequences, Chat's stop): the
+    engine ends at the token that completes it, the sample keeps that token
+    (it was sampled), the agent gets the text before it, whole or streamed
+    (a stream never shows a part of it). Seeded calls, so the same prompt
+    samples the same tokens with and without the stop sequence."""
+    prompt = [{"role": "user", "content": "Say something."}]
+    async with gateway.session("ep-stop-free") as free:
+        c = client_for(free)
+        for seed in range(10):  # a reply long enough to stop inside
+            r = await c.chat.completions.create(model="tiny", messages=prompt, max_tokens=16, seed=seed)
+            text, ids = r.choices[0].message.content or "", free.calls[-1].generation.completion.token_ids
+            at = next((i for i in range(3, len(text) - 1) if text[i:i + 2].isalnum()), None)
+            if at is not None:
+                break
+        await c.close()
+    assert at is not None, "no reply of 5+ characters in 10 seeds"
+    stop = text[at:at + 2]
+    cut = text[: text.find(stop)]
+    # The shortest prefix of the free completion whose text holds the stop sequence.
+    k = next(k for k in range(1, len(ids) + 1) if stop in tokenizer.decode(ids[:k]))
+    async with gateway.session("ep-stop") as s:
+        a = anthropic_for(s)
+        m = await a.messages.create(model="tiny", max_tokens=16, messages=prompt, stop_sequences=[stop],
+                                    extra_body={"seed": seed})
+        assert (m.content[0].text, m.stop_reason, m.stop_sequence) == (cut, "stop_sequence", stop)
+        async with a.messages.stream(model="tiny", max_tokens=16, messages=prompt, stop_sequences=[stop],
+                                     extra_body={"seed": seed}) as stream:
+            deltas = [t async for t in stream.text_stream]
+            final = await stream.get_final_message()
+        assert "".join(deltas) == final.content[0].text == cut and all(stop not in d for d in deltas)
+        o = client_for(s)
+        r = await o.chat.completions.create(model="tiny", messages=prompt, max_tokens=16, seed=seed, stop=stop)
+        assert (r.choices[0].message.content or "", r.choices[0].finish_reason) == (cut, "stop")
+        with pytest.raises(openai.BadRequestError, match="stop"):
+            await o.chat.completions.create(model="tiny", messages=prompt, stop=[""])
+        await a.close(), await o.close()
+    # The seed reaches the engine mixed per call only under an episode seed; here it is the agent's own.
+    for call in s.calls:
+        assert call.generation.completion.token_ids == ids[:k] and call.generation.completion.finish_reason == "stop"
+    check_parity(s.calls[:1], hf_model)

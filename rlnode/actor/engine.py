@@ -211,9 +211,12 @@ class Engine:
             top_p=s.top_p,
             seed=s.seed,
             stop_token_ids=list(s.stop_token_ids),
+            stop=list(s.stop) or None,
             ignore_eos=s.ignore_eos,
             logprobs=0,  # the sampled token's logprob only
-            detokenize=False,  # token-in/token-out: text is never needed here
+            # Token-in/token-out: text is never needed here, except where
+            # vLLM must see it to find a stop string.
+            detokenize=bool(s.stop),
             # Streaming callers get each engine step's new tokens (DELTA: a
             # cumulative output per step would copy the whole completion
             # every step, quadratic in its length); generate() joins them.

@@ -17,6 +17,11 @@ class SamplingSettings(msgspec.Struct, frozen=True, omit_defaults=True):
     top_p: float = 1.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    # Stop strings (an agent's stop sequences, through the gateway): the
+    # engine ends the completion with the token that completes one, and
+    # its ids keep that token (what was sampled is what is trained); the
+    # gateway cuts the text the agent sees before the string.
+    stop: tuple[str, ...] = ()
     # Generate exactly max_tokens (benchmarks); never used for training.
     ignore_eos: bool = False
 

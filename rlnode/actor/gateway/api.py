@@ -32,6 +32,51 @@ class GatewayError(Exception):
         return web.json_response(body, status=self.status)
 
 
+# Stop sequences a call may give (OpenAI allows 4, Anthropic more; vLLM
+# checks each against the text of every step).
+MAX_STOP_SEQUENCES = 16
+MAX_STOP_CHARS = 256
+
+
+def check_stop(stop: Any, param: str = "stop") -> tuple[str, ...]:
+    """An agent's stop sequences (a string or a list of them) as the engine
+    takes them, or GatewayError naming what is wrong."""
+    if stop is None:
+        return ()
+    seqs = [stop] if isinstance(stop, str) else stop
+    if not isinstance(seqs, (list, tuple)) or not all(isinstance(x, str) and x for x in seqs):
+        raise GatewayError(400, f"{param} must be a non-empty string or a list of them", param=param)
+    if len(seqs) > MAX_STOP_SEQUENCES or any(len(x) > MAX_STOP_CHARS for x in seqs):
+        raise GatewayError(400, f"{param}: at most {MAX_STOP_SEQUENCES} sequences of at most {MAX_STOP_CHARS} "
+                                "characters", param=param)
+    return tuple(seqs)
+
+
+def cut_at_stop(text: str, stop: tuple[str, ...]) -> tuple[str, str | None]:
+    """``text`` up to the first stop sequence in it, and that sequence
+    (None: no stop sequence in it)."""
+    hits = [(i, s) for s in stop if (i := text.find(s)) >= 0]
+    if not hits:
+        return text, None
+    i, s = min(hits)
+    return text[:i], s
+
+
+def hold_back_stop(text: str, stop: tuple[str, ...]) -> str:
+    """What of a growing completion can be streamed now: cut at a stop
+    sequence in it, and short of a tail that may be the start of one."""
+    text, hit = cut_at_stop(text, stop)
+    if hit is not None or not stop:
+        return text
+    keep = len(text)
+    for s in stop:
+        for k in range(min(len(s) - 1, len(text)), 0, -1):
+            if s.startswith(text[-k:]):
+                keep = min(keep, len(text) - k)
+                break
+    return text[:keep]
+
+
 # -- messages ------------------------------------------------------------------
 
 

@@ -84,7 +84,7 @@ class HostGateway(Gateway):
                         agent_seed: int | None) -> _Generation:
         call_id, p = self._ask(s.token, on_tokens)
         self.chan.send(Generate(call_id, s.token, step, prompt, sampling.temperature, sampling.max_tokens,
-                                agent_seed, on_tokens is not None, reset))
+                                agent_seed, on_tokens is not None, reset, list(sampling.stop)))
         try:
             ids, finish = await p.fut
         except asyncio.CancelledError:  # the agent went away: the daemon aborts the engine request

@@ -37,7 +37,7 @@ import msgspec
 
 from rlnode.actor.engine import EngineError
 from rlnode.actor.episode import EpisodeSettings, request_seed
-from rlnode.actor.gateway.api import GatewayError
+from rlnode.actor.gateway.api import GatewayError, check_stop
 from rlnode.actor.gateway.forkserver import FORK_SERVER, ForkedHost
 from rlnode.actor.gateway.protocol import (
     Abort, CallFailed, Channel, CloseSession, EnvCall, EnvReplied, Generate, Generated, HostFailed, HostReady,
@@ -509,7 +509,8 @@ class HostedGateway:
         s._steps.add(m.step)
         s.next_step = max(s.next_step, m.step + 1)
         seed = m.agent_seed if settings.seed is None else request_seed(settings.seed, m.step, m.agent_seed)
-        return msgspec.structs.replace(base, temperature=temperature, seed=seed,
+        stop = check_stop(m.stop)
+        return msgspec.structs.replace(base, temperature=temperature, seed=seed, stop=stop,
                                        max_tokens=max(1, min(m.max_tokens, base.max_tokens, room)))
 
     async def _call(self, host: _Host, s: HostedSession, m: Generate, sampling, version: int) -> None:

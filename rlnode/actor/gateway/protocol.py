@@ -150,6 +150,7 @@ class Generate(_Msg):
     agent_seed: int | None = None
     stream: bool = False
     history_reset: bool = False
+    stop: list[str] = []  # the agent's stop sequences
 
 
 class Abort(_Msg):

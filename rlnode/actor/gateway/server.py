@@ -21,7 +21,7 @@ from aiohttp import web
 from rlnode.actor.engine import EngineError, SamplingSettings, sweep_dead_dirs
 from rlnode.actor.episode import ChatRenderer, EpisodeSettings, request_seed
 from rlnode.actor.gateway.api import (
-    MAX_REQUEST_BYTES, TOKENIZE_INLINE_CHARS, EnvReward, EnvStep, GatewayError, read_body,
+    MAX_REQUEST_BYTES, TOKENIZE_INLINE_CHARS, EnvReward, EnvStep, GatewayError, cut_at_stop, read_body,
 )
 from rlnode.actor.gateway.protocols import BY_NAME, PROTOCOLS, Answer, Call, Protocol
 from rlnode.actor.gateway.session import GatewaySession, GatewayStats, ServedCall
@@ -223,7 +223,7 @@ class Gateway:
         # used alone: an agent that sends one fixed seed would otherwise make
         # every attempt of its group sample the same tokens).
         seed = call.seed if settings.seed is None else request_seed(settings.seed, step, call.seed)
-        sampling = msgspec.structs.replace(base, temperature=temperature, seed=seed,
+        sampling = msgspec.structs.replace(base, temperature=temperature, seed=seed, stop=call.stop,
                                            max_tokens=max(1, min(want, base.max_tokens, room)))
         s.history_resets += reset
         self.stats.history_resets += reset
@@ -362,10 +362,14 @@ class Gateway:
         comp = gen.completion
         text = self.renderer.completion_text(comp.token_ids, comp.finish_reason)
         length = comp.finish_reason == "length"
+        hit = None
+        if call.stop and comp.finish_reason == "stop":  # the agent sees the text before its stop sequence
+            text, hit = cut_at_stop(text, call.stop)
         if call.messages is None:
             return Answer(answer_id, step, self.model_name, created, text, None, [], "length" if length else "stop",
                           prompt, comp.token_ids, call,
-                          {"text": text, "stop_dropped": self.renderer.ends_on_stop(comp.token_ids, comp.finish_reason)})
+                          {"text": text, "stop_dropped": self.renderer.ends_on_stop(comp.token_ids, comp.finish_reason)},
+                          hit)
         tools = call.tools if call.tools and call.tool_choice != "none" else None
         parsed = self.renderer.parser.parse(text, tools, output_ids=comp.token_ids, prompt_ids=prompt)
         content, calls = parsed.content, parsed.tool_calls
@@ -375,7 +379,7 @@ class Gateway:
                                    for c in calls]
         finish = "tool_calls" if calls else ("length" if length else "stop")
         return Answer(answer_id, step, self.model_name, created, content, parsed.reasoning, calls, finish, prompt,
-                      comp.token_ids, call, reply)
+                      comp.token_ids, call, reply, hit)
 
     def _record(self, s: GatewaySession, call: Call, prompt: list[int], gen, step: int, version: int,
                 temperature: float, reset: bool, answer: Answer) -> None:

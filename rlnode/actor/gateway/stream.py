@@ -13,7 +13,7 @@ from typing import Any
 from aiohttp import web
 
 from rlnode.actor.episode import ChatRenderer
-from rlnode.actor.gateway.api import GatewayError
+from rlnode.actor.gateway.api import GatewayError, hold_back_stop
 from rlnode.actor.parsing import CompletionParser
 from rlnode.log import get_logger
 
@@ -62,6 +62,7 @@ async def stream_completion(gw, request, s, call, proto, prompt, sampling, step,
             grew.clear()
             grown = text.update(latest[0])
             safe = stream_safe(grown, tools_on, gw.renderer.parser) if parsed else grown.rstrip("\ufffd")
+            safe = hold_back_stop(safe, call.stop)  # never a stop sequence, nor a start of one
             if len(safe) > len(sent) and safe.startswith(sent):
                 await resp.write(events.text(safe[len(sent):]))
                 sent = safe

@@ -42,6 +42,7 @@ class Call(msgspec.Struct):
     top_p: float | None = None
     max_tokens: int | None = None
     seed: int | None = None
+    stop: tuple[str, ...] = ()  # stop sequences (api.check_stop)
     stream: bool = False
     include_usage: bool = False  # chat: stream_options.include_usage
     return_token_ids: bool = False  # the reply carries prompt and completion token ids (vLLM's extension)
@@ -70,6 +71,9 @@ class Answer:
     # The reply as the template renders it (content and calls, no
     # reasoning): what a re-sent history is matched against.
     reply: dict[str, Any] = field(default_factory=dict)
+    # The stop sequence the completion ended on (its text, cut before it,
+    # is what the agent gets); None: it ended otherwise.
+    stop_sequence: str | None = None
 
     @property
     def prompt_tokens(self) -> int:

@@ -10,7 +10,7 @@ from typing import Any
 
 import msgspec
 
-from rlnode.actor.gateway.api import GatewayError, decode_body, template_message
+from rlnode.actor.gateway.api import GatewayError, check_stop, decode_body, template_message
 from rlnode.actor.gateway.protocols.base import Answer, Call, Protocol, StreamWriter, sse
 
 
@@ -36,12 +36,9 @@ class ChatRequest(msgspec.Struct):
     return_token_ids: bool | None = None
 
 
-def check_n_and_stop(n: int | None, stop: Any, stop_param: str = "stop") -> None:
+def check_n(n: int | None) -> None:
     if n not in (None, 1):
         raise GatewayError(400, "n must be 1 (one sample per call)", param="n")
-    if stop:
-        raise GatewayError(400, "stop sequences are not supported: samples are token-exact and end at the "
-                                "model's end of turn", param=stop_param)
 
 
 def tool_choice_of(choice: Any) -> str:
@@ -77,13 +74,13 @@ class Chat(Protocol):
 
     def parse(self, raw: bytes, session) -> Call:
         req = decode_body(raw, ChatRequest)
-        check_n_and_stop(req.n, req.stop)
+        check_n(req.n)
         if not req.messages:
             raise GatewayError(400, "messages must not be empty", param="messages")
         return Call(messages=[template_message(m, i) for i, m in enumerate(req.messages)],
                     tools=req.tools or None, tool_choice=tool_choice_of(req.tool_choice),
                     temperature=req.temperature, top_p=req.top_p,
-                    max_tokens=req.max_completion_tokens or req.max_tokens, seed=req.seed,
+                    max_tokens=req.max_completion_tokens or req.max_tokens, seed=req.seed, stop=check_stop(req.stop),
                     stream=bool(req.stream), include_usage=bool((req.stream_options or {}).get("include_usage")),
                     return_token_ids=bool(req.return_token_ids))
 

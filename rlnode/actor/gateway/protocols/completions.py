@@ -13,9 +13,9 @@ from typing import Any
 
 import msgspec
 
-from rlnode.actor.gateway.api import GatewayError, decode_body
+from rlnode.actor.gateway.api import GatewayError, check_stop, decode_body
 from rlnode.actor.gateway.protocols.base import Answer, Call, Protocol, StreamWriter, sse
-from rlnode.actor.gateway.protocols.chat import check_n_and_stop, openai_usage
+from rlnode.actor.gateway.protocols.chat import check_n, openai_usage
 
 
 class CompletionRequest(msgspec.Struct):
@@ -43,7 +43,7 @@ class Completions(Protocol):
 
     def parse(self, raw: bytes, session) -> Call:
         req = decode_body(raw, CompletionRequest)
-        check_n_and_stop(req.n, req.stop)
+        check_n(req.n)
         if req.best_of not in (None, 1):
             raise GatewayError(400, "best_of must be 1 (one sample per call)", param="best_of")
         if req.echo:
@@ -65,7 +65,7 @@ class Completions(Protocol):
                 raise GatewayError(400, "prompt must not be empty", param="prompt")
             text, ids = prompt, None
         return Call(text=text, prompt_ids=ids, temperature=req.temperature, top_p=req.top_p,
-                    max_tokens=req.max_tokens, seed=req.seed, stream=bool(req.stream),
+                    max_tokens=req.max_tokens, seed=req.seed, stop=check_stop(req.stop), stream=bool(req.stream),
                     include_usage=bool((req.stream_options or {}).get("include_usage")),
                     return_token_ids=bool(req.return_token_ids))
 

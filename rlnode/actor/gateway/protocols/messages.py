@@ -28,7 +28,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from rlnode.actor.gateway.api import GatewayError, decode_body, template_message
+from rlnode.actor.gateway.api import GatewayError, check_stop, decode_body, template_message
 from rlnode.actor.gateway.protocols.base import Answer, Call, Protocol, StreamWriter, sse
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
@@ -53,6 +53,9 @@ class MessagesRequest(msgspec.Struct):
     stream: bool | None = False
     thinking: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
+    # rlnode's extensions (vLLM's names): a sampling seed (mixed with the
+    # episode's, as every API's is), the token ids in the reply.
+    seed: int | None = None
     return_token_ids: bool | None = None
 
 
@@ -145,9 +148,6 @@ class Messages(Protocol):
 
     def parse(self, raw: bytes, session) -> Call:
         req = decode_body(raw, MessagesRequest)
-        if req.stop_sequences:
-            raise GatewayError(400, "stop_sequences are not supported: samples are token-exact and end at the "
-                                    "model's end of turn", param="stop_sequences")
         if req.top_k not in (None, 0, -1):
             raise GatewayError(400, "top_k is not supported: the run fixes its sampling (actor.sampling)",
                                param="top_k")
@@ -157,7 +157,9 @@ class Messages(Protocol):
             raise GatewayError(400, "messages: at least one message is required", param="messages")
         return Call(messages=conversation(req), tools=chat_tools(req.tools), tool_choice=tool_choice_of(req.tool_choice),
                     temperature=req.temperature, top_p=req.top_p, max_tokens=req.max_tokens,
-                    stream=bool(req.stream), return_token_ids=bool(req.return_token_ids))
+                    seed=req.seed, stop=check_stop(req.stop_sequences or None, "stop_sequences"),
+                    stream=bool(req.stream),
+                    return_token_ids=bool(req.return_token_ids))
 
     def blocks(self, answer: Answer) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
@@ -172,7 +174,8 @@ class Messages(Protocol):
     def body(self, answer: Answer) -> dict[str, Any]:
         out: dict[str, Any] = {
             "id": answer.id, "type": "message", "role": "assistant", "model": answer.model,
-            "content": self.blocks(answer), "stop_reason": STOP_REASONS[answer.finish], "stop_sequence": None,
+            "content": self.blocks(answer), "stop_reason": _stop_reason(answer),
+            "stop_sequence": answer.stop_sequence,
             "usage": {"input_tokens": answer.prompt_tokens, "output_tokens": answer.completion_tokens},
         }
         if answer.call.return_token_ids:
@@ -194,6 +197,10 @@ class Messages(Protocol):
 
     def model_list(self, name: str) -> dict[str, Any]:
         return {"data": [self.model_card(name)], "has_more": False, "first_id": name, "last_id": name}
+
+
+def _stop_reason(answer: Answer) -> str:
+    return "stop_sequence" if answer.stop_sequence is not None and not answer.calls else STOP_REASONS[answer.finish]
 
 
 def _tool_use_id(answer: Answer, i: int) -> str:
@@ -244,8 +251,8 @@ class _MessagesStream(StreamWriter):
             out += [self._start({"type": "tool_use", "id": _tool_use_id(answer, i), "name": c.name, "input": {}}),
                     self._delta({"type": "input_json_delta", "partial_json": msgspec.json.encode(c.arguments).decode()}),
                     self._stop()]
-        out += [sse({"type": "message_delta", "delta": {"stop_reason": STOP_REASONS[answer.finish],
-                                                         "stop_sequence": None},
+        out += [sse({"type": "message_delta", "delta": {"stop_reason": _stop_reason(answer),
+                                                         "stop_sequence": answer.stop_sequence},
                      "usage": {"output_tokens": answer.completion_tokens}}, "message_delta"),
                 sse({"type": "message_stop"}, "message_stop")]
         return b"".join(out)
