@@ -70,6 +70,21 @@ def test_response_items_become_the_conversation_the_template_renders():
         input_messages([{"type": "item_reference", "id": "x"}])
 
 
+def test_stop_sequences_cut_and_hold_back():
+    from rlnode.actor.gateway.api import check_stop, cut_at_stop, hold_back_stop
+
+    assert check_stop("END") == ("END",) and check_stop(["a", "bc"]) == ("a", "bc") and check_stop(None) == ()
+    for bad in ([""], ["x"] * 17, ["x" * 257], [3]):
+        with pytest.raises(GatewayError, match="stop"):
+            check_stop(bad)
+    assert cut_at_stop("one END two STOP", ("STOP", "END")) == ("one ", "END")  # the first in the text wins
+    assert cut_at_stop("nothing", ("END",)) == ("nothing", None)
+    # A stream shows neither a stop sequence nor a tail that may begin one.
+    assert hold_back_stop("abc EN", ("END",)) == "abc " and hold_back_stop("abc E", ("END", "EX")) == "abc "
+    assert hold_back_stop("abc END and more", ("END",)) == "abc " and hold_back_stop("abc", ()) == "abc"
+    assert hold_back_stop("abc x", ("END",)) == "abc x"
+
+
 def test_anthropic_base_url_is_the_episode_root():
     assert anthropic_base("http://h:1/episodes/T/v1") == "http://h:1/episodes/T"
     assert anthropic_base("http://h:1/episodes/T/v1/") == "http://h:1/episodes/T"
