@@ -286,9 +286,10 @@ class Gateway:
             return prompt, s.has_history and not s.extends_ids(prompt)
         match = s.extends(messages, tools)
         new = messages if match is None else messages[match.covered:]
-        self._check_fits(s, 0 if match is None else len(match.ids), sum(len(m["content"]) for m in new), "messages")
+        new_chars = sum(len(m["content"]) for m in new)
+        self._check_fits(s, 0 if match is None else len(match.ids), new_chars, "messages")
         try:
-            if sum(len(m["content"]) for m in new) > TOKENIZE_INLINE_CHARS:  # long documents: off the event loop
+            if new_chars > TOKENIZE_INLINE_CHARS:  # long documents: off the event loop
                 prompt = await asyncio.to_thread(s.prompt_for, messages, tools, match)
             else:
                 prompt = s.prompt_for(messages, tools, match)

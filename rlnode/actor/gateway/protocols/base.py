@@ -146,10 +146,8 @@ class Protocol:
 
     def answered(self, answer: Answer, session) -> None:
         """The reply reached the agent (Responses keeps it for a later
-        ``previous_response_id``)."""
-
-    def unsent(self, answer_id: str, session) -> None:
-        """The reply never reached the agent: forget what ``answered`` kept."""
+        ``previous_response_id``; a reply that never reached it is never
+        kept)."""
 
 
 def sse(data: dict[str, Any], event: str | None = None) -> bytes:

@@ -104,13 +104,12 @@ class Chat(Protocol):
         return out
 
     def stream(self, answer_id: str, model: str, created: int, call: Call, prompt: list[int]) -> StreamWriter:
-        return _ChatStream(answer_id, model, created, call, prompt, self)
+        return _ChatStream(answer_id, model, created, call, prompt)
 
 
 class _ChatStream(StreamWriter):
-    def __init__(self, answer_id: str, model: str, created: int, call: Call, prompt: list[int], proto: Chat):
-        self.id, self.model, self.created, self.call, self.prompt, self.proto = (answer_id, model, created, call,
-                                                                                 prompt, proto)
+    def __init__(self, answer_id: str, model: str, created: int, call: Call, prompt: list[int]):
+        self.id, self.model, self.created, self.call, self.prompt = answer_id, model, created, call, prompt
 
     def _chunk(self, delta: dict[str, Any], finish: str | None = None, token_ids: list[int] | None = None,
                **extra) -> bytes:

@@ -163,21 +163,16 @@ class Responses(Protocol):
     def body(self, answer: Answer, status: str | None = None) -> dict[str, Any]:
         cut = answer.finish == "length"
         status = status or ("incomplete" if cut else "completed")
-        e = answer.call.echo
-        out: dict[str, Any] = {
-            "id": answer.id, "object": "response", "created_at": answer.created, "status": status,
-            "model": answer.model, "output": self.items(answer, status), "error": None,
+        out = envelope(answer.id, answer.created, answer.model, answer.call.echo, status)
+        out.update({
+            "output": self.items(answer, status),
             "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
-            "instructions": e.get("instructions"), "previous_response_id": e.get("previous_response_id"),
-            "tools": e.get("tools", []), "tool_choice": e.get("tool_choice", "auto"),
-            "parallel_tool_calls": e.get("parallel_tool_calls", True), "temperature": e.get("temperature"),
-            "top_p": e.get("top_p"), "max_output_tokens": e.get("max_output_tokens"), "metadata": {},
-            "text": {"format": {"type": "text"}}, "store": True,
+            "max_output_tokens": answer.call.echo.get("max_output_tokens"), "store": True,
             "usage": {"input_tokens": answer.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
                       "output_tokens": answer.completion_tokens,
                       "output_tokens_details": {"reasoning_tokens": 0},
                       "total_tokens": answer.prompt_tokens + answer.completion_tokens},
-        }
+        })
         if answer.call.return_token_ids:
             out["prompt_token_ids"], out["token_ids"] = answer.prompt, answer.completion
         return out
@@ -191,9 +186,6 @@ class Responses(Protocol):
             kept.pop(next(iter(kept)))
         kept[answer.id] = [*(answer.call.messages or []), answer.reply]
 
-    def unsent(self, answer_id: str, session) -> None:
-        responses_of(session).pop(answer_id, None)
-
 
 def responses_of(session) -> dict[str, list[dict[str, Any]]]:
     """The episode's delivered responses (id -> conversation), kept on its
@@ -202,6 +194,16 @@ def responses_of(session) -> dict[str, list[dict[str, Any]]]:
     if kept is None:
         kept = session.responses = {}
     return kept
+
+
+def envelope(answer_id: str, created: int, model: str, echo: dict[str, Any], status: str) -> dict[str, Any]:
+    """A response's fields before its output: what the request echoes."""
+    return {"id": answer_id, "object": "response", "created_at": created, "status": status, "model": model,
+            "output": [], "error": None, "incomplete_details": None,
+            "instructions": echo.get("instructions"), "previous_response_id": echo.get("previous_response_id"),
+            "tools": echo.get("tools", []), "tool_choice": echo.get("tool_choice", "auto"),
+            "parallel_tool_calls": echo.get("parallel_tool_calls", True), "temperature": echo.get("temperature"),
+            "top_p": echo.get("top_p"), "metadata": {}, "text": {"format": {"type": "text"}}}
 
 
 def _reasoning_item(answer_id: str, text: str) -> dict[str, Any]:
@@ -237,13 +239,7 @@ class _ResponsesStream(StreamWriter):
 
     def _shell(self, status: str) -> dict[str, Any]:
         """The response as it stands before its output."""
-        e = self.call.echo
-        return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
-                "model": self.model, "output": [], "error": None, "incomplete_details": None,
-                "instructions": e.get("instructions"), "previous_response_id": e.get("previous_response_id"),
-                "tools": e.get("tools", []), "tool_choice": e.get("tool_choice", "auto"),
-                "parallel_tool_calls": e.get("parallel_tool_calls", True), "temperature": e.get("temperature"),
-                "top_p": e.get("top_p"), "metadata": {}, "text": {"format": {"type": "text"}}}
+        return envelope(self.id, self.created, self.model, self.call.echo, status)
 
     def open(self) -> bytes:
         return (self._event("response.created", response=self._shell("in_progress"))
